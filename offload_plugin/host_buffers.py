@@ -1,0 +1,139 @@
+"""Host-memory copies of the trainable parameters: master weights, gradients, staging.
+
+Every trainable parameter gets a :class:`HostSlot`. The buffers of all slots are carved
+out of a few large flat blocks per dtype (one allocation, one pin per block) instead of
+one pinned allocation per tensor: pinning is slow per call, and torch's caching host
+allocator rounds every request up to a power of two.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = ["HostSlot", "HostArena", "master_dtype_for"]
+
+log = logging.getLogger(__name__)
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def master_dtype_for(param: torch.Tensor, master_weights: bool) -> torch.dtype:
+    """The dtype the host keeps and updates for ``param``: fp32 for bf16/fp16 with master weights."""
+    if master_weights and param.dtype in _LOW_PRECISION:
+        return torch.float32
+    return param.dtype
+
+
+def _pin(block: torch.Tensor) -> bool:
+    """Page-lock ``block`` in place (cudaHostRegister); unpinned again when it is freed."""
+    cudart = torch.cuda.cudart()
+    ptr, nbytes = block.data_ptr(), block.numel() * block.element_size()
+    err = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        return False
+    # Unregister when the block is collected (it lives as long as its arena). Should views
+    # outlive it, they stay valid as pageable memory: copies get slower, never wrong.
+    weakref.finalize(block, cudart.cudaHostUnregister, ptr)
+    return True
+
+
+class HostArena:
+    """Flat host blocks, one per dtype, from which per-parameter views are taken.
+
+    Args:
+        pin (bool): page-lock the blocks so that copies to and from the GPU run
+            asynchronously at full bandwidth. Falls back to pageable memory with a
+            warning if pinning fails.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.blocks: list[torch.Tensor] = []
+
+    def allocate(self, numels: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+        """One flat block holding ``len(numels)`` buffers; returns a 1-D view per buffer."""
+        block = torch.empty(sum(numels), dtype=dtype)
+        if self.pin and block.numel() > 0 and not _pin(block):
+            log.warning(
+                "Could not pin %.2f GiB of host memory; using pageable memory (slower "
+                "transfers). Check `ulimit -l` and free RAM.",
+                block.numel() * block.element_size() / 2**30,
+            )
+        self.blocks.append(block)
+        return list(block.split(numels))
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.blocks)
+
+
+@dataclass
+class HostSlot:
+    """The host side of one trainable parameter.
+
+    ``master`` is what the host optimizer updates (fp32 for bf16/fp16 parameters with
+    master weights, else the parameter's dtype). ``grad`` holds the gradient in the
+    parameter's dtype, accumulated on the host when gradients are offloaded.
+    ``weight_stage`` holds the updated weight in the parameter's dtype on its way back to
+    the device; it is ``None`` when ``master`` already has that dtype.
+    """
+
+    param: torch.Tensor
+    master: torch.Tensor
+    grad: torch.Tensor
+    weight_stage: Optional[torch.Tensor]
+    # Offloaded-gradient bookkeeping (see CPUOffloadOptimizer._offload_grad).
+    has_grad: bool = False
+    grad_event: object = None
+    incoming: Optional[torch.Tensor] = None
+    incoming_event: object = None
+    incoming_pending: bool = False
+
+    def weight_source(self) -> torch.Tensor:
+        """The host tensor whose values are copied into the device parameter."""
+        if self.weight_stage is None:
+            return self.master
+        self.weight_stage.copy_(self.master)
+        return self.weight_stage
+
+
+def build_slots(
+    params: list[torch.Tensor], master_weights: bool, arena: HostArena
+) -> list[HostSlot]:
+    """Allocate host buffers for ``params`` and copy their current values into the masters."""
+    numels = [p.numel() for p in params]
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, p in enumerate(params):
+        by_dtype.setdefault(p.dtype, []).append(i)
+
+    masters: dict[int, torch.Tensor] = {}
+    grads: dict[int, torch.Tensor] = {}
+    stages: dict[int, torch.Tensor] = {}
+    for dtype, idx in by_dtype.items():
+        mdtype = master_dtype_for(params[idx[0]], master_weights)
+        sizes = [numels[i] for i in idx]
+        for i, buf in zip(idx, arena.allocate(sizes, mdtype)):
+            masters[i] = buf
+        for i, buf in zip(idx, arena.allocate(sizes, dtype)):
+            grads[i] = buf
+        if mdtype != dtype:
+            for i, buf in zip(idx, arena.allocate(sizes, dtype)):
+                stages[i] = buf
+
+    slots = []
+    for i, p in enumerate(params):
+        master = masters[i].view(p.shape)
+        master.copy_(p.detach())
+        slots.append(
+            HostSlot(
+                param=p,
+                master=master,
+                grad=grads[i].view(p.shape),
+                weight_stage=stages[i].view(p.shape) if i in stages else None,
+            )
+        )
+    return slots

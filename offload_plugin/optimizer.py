@@ -1,0 +1,515 @@
+"""CPUOffloadOptimizer: a torch.optim.Optimizer whose state and update live in host memory."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import MutableMapping
+from itertools import chain
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
+
+import torch
+from torch.optim import Optimizer
+
+from offload_plugin.host_buffers import HostArena, HostSlot, build_slots
+from offload_plugin.transfer import Transfers
+
+__all__ = ["CPUOffloadOptimizer"]
+
+log = logging.getLogger(__name__)
+
+# Optimizers whose step is not a per-parameter update that can run on host copies.
+_UNSUPPORTED = {
+    "LBFGS": "it re-evaluates the model through a closure inside step()",
+    "SparseAdam": "it needs sparse gradients, which are not offloaded",
+}
+# State-dict key of the fp32 master weight, saved so that a resume continues exactly.
+MASTER_KEY = "master_weight"
+
+
+def _resolve_optimizer_cls(optimizer_cls: Union[str, type]) -> type:
+    if isinstance(optimizer_cls, str):
+        module_name, _, attr = optimizer_cls.rpartition(".")
+        try:
+            resolved = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(
+                f"optimizer_cls={optimizer_cls!r} does not resolve to a class ({err}). "
+                "Give a dotted path such as 'torch.optim.AdamW' or the class itself."
+            ) from None
+        optimizer_cls = resolved
+    if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Optimizer)):
+        raise TypeError(
+            f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}"
+        )
+    if issubclass(optimizer_cls, CPUOffloadOptimizer):
+        raise TypeError("optimizer_cls cannot be CPUOffloadOptimizer itself")
+    if optimizer_cls.__name__ in _UNSUPPORTED:
+        raise ValueError(
+            f"optimizer_cls={optimizer_cls.__name__} is not supported: "
+            f"{_UNSUPPORTED[optimizer_cls.__name__]}."
+        )
+    return optimizer_cls
+
+
+def _check_dense(grad: torch.Tensor) -> None:
+    if grad.is_sparse:
+        raise RuntimeError(
+            "CPUOffloadOptimizer does not support sparse gradients; build embeddings "
+            "with sparse=False."
+        )
+
+
+class _StateByParam(MutableMapping):
+    """``optimizer.state`` keyed by the user's parameters, backed by the host optimizer's state."""
+
+    def __init__(self, owner: "CPUOffloadOptimizer") -> None:
+        self._owner = owner
+
+    def _host(self, param: torch.Tensor) -> torch.Tensor:
+        return self._owner._slot_of[param].master
+
+    def __getitem__(self, param):
+        # The host optimizer's state is a defaultdict, as torch's optimizers' state is.
+        return self._owner._host_optimizer.state[self._host(param)]
+
+    def __setitem__(self, param, value):
+        self._owner._host_optimizer.state[self._host(param)] = value
+
+    def __delitem__(self, param):
+        del self._owner._host_optimizer.state[self._host(param)]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        host_state = self._owner._host_optimizer.state
+        return (s.param for s in self._owner._slots() if s.master in host_state)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, param) -> bool:
+        slot = self._owner._slot_of.get(param)
+        return slot is not None and slot.master in self._owner._host_optimizer.state
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+class CPUOffloadOptimizer(Optimizer):
+    """Runs ``optimizer_cls`` on host copies of the parameters; the device keeps only weights.
+
+    Frozen parameters (``requires_grad=False``, e.g. QLoRA's NF4 base weights) are dropped
+    before anything is allocated or hooked, so ``model.parameters()`` can be passed as
+    torchtune's recipes do. ``param_groups``, ``state``, ``defaults``, hooks and the state
+    dict behave as on torch's optimizers, so every LR scheduler and checkpoint helper works.
+
+    Each step copies the gradients to pinned host memory (or, with ``offload_gradients``,
+    takes the copies made during backward), runs ``optimizer_cls.step`` there and copies
+    the updated weights back on a side CUDA stream. On a machine without a GPU the same
+    code runs with synchronous copies.
+
+    Args:
+        params (Iterable): parameters or param-group dicts, as for any torch optimizer.
+        optimizer_cls (type or str): the optimizer run on the host, as a class or a dotted
+            path. Default: ``"torch.optim.AdamW"``.
+        offload_gradients (bool): move each gradient to host memory as soon as backward
+            produces it and free it on the device. Saves the gradients' device memory;
+            scale and clip through :meth:`scale_grads` and :meth:`clip_grad_norm_`, since
+            the model's ``.grad`` is ``None`` afterwards. Default: ``False``.
+        master_weights (bool): keep fp32 copies of bf16/fp16 parameters on the host and
+            update those, so that small updates are not rounded away. Default: ``True``.
+        pin_memory (bool): page-lock host buffers for fast asynchronous copies (CUDA only).
+            Default: ``True``.
+        **optimizer_kwargs: hyperparameters for ``optimizer_cls`` (``lr``, ``betas``,
+            ``weight_decay``, ``fused``, ...).
+
+    Raises:
+        ValueError: no trainable parameters, a parameter given twice, parameters on
+            different devices, an unresolvable or unsupported ``optimizer_cls``, or an
+            invalid hyperparameter (reported by ``optimizer_cls`` itself).
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3)
+        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        optimizer_cls: Union[str, type] = "torch.optim.AdamW",
+        *,
+        offload_gradients: bool = False,
+        master_weights: bool = True,
+        pin_memory: bool = True,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        self.optimizer_cls = _resolve_optimizer_cls(optimizer_cls)
+        self.offload_gradients = offload_gradients
+        self.master_weights = master_weights
+        self.pin_memory = pin_memory
+        self._optimizer_kwargs = optimizer_kwargs
+        # Validates every hyperparameter with optimizer_cls's own checks and messages
+        # ("Invalid learning rate: -1.0") before anything is allocated or hooked.
+        defaults = dict(self.optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults)
+
+        self._host_optimizer: Optional[Optimizer] = None
+        self._slot_list: list[HostSlot] = []
+        self._slot_of: dict[torch.Tensor, HostSlot] = {}
+        self._hooks: list = []
+        self._transfers: Optional[Transfers] = None
+        self._arena: Optional[HostArena] = None
+        self._last_push = None
+        self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0}
+        self._scaled_since_zero_grad = False
+        self._warned_unscaled = False
+
+        super().__init__(params, defaults)  # calls add_param_group for each group
+        self.state = _StateByParam(self)
+        c = self._counts
+        if c["kept"] == 0:
+            raise ValueError(
+                f"CPUOffloadOptimizer got no trainable parameters: all {c['frozen']} "
+                "tensors have requires_grad=False. For LoRA/QLoRA, mark the adapters "
+                "trainable first (torchtune.modules.peft.set_trainable_params(model, "
+                "get_adapter_params(model))); otherwise check what was passed as params."
+            )
+        log.info(
+            "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) on the host; "
+            "skipped %d frozen tensors (%s elements).",
+            self.optimizer_cls.__name__, c["kept"], f"{c['kept_numel']:,}",
+            c["frozen"], f"{c['frozen_numel']:,}",
+        )
+
+    # ------------------------------------------------------------------ param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group as torch's optimizers do, dropping its frozen parameters first."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        group = dict(param_group)
+        entries = group["params"]
+        entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+        named = [e for e in entries if isinstance(e, tuple)]
+        tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
+        keep = [isinstance(t, torch.Tensor) and t.requires_grad for t in tensors]
+        for t, k in zip(tensors, keep):
+            if isinstance(t, torch.Tensor) and not k:
+                self._counts["frozen"] += 1
+                self._counts["frozen_numel"] += t.numel()
+        kept_entries = [e for e, k in zip(entries, keep) if k]
+        kept = [t for t, k in zip(tensors, keep) if k]
+        # Non-tensors are kept so that torch reports them with its own message.
+        kept_entries += [e for e, t in zip(entries, tensors) if not isinstance(t, torch.Tensor)]
+        if len(set(map(id, kept))) != len(kept):
+            raise ValueError("a parameter appears more than once in a parameter group")
+        if named and len(named) != len(entries):
+            raise ValueError("all optimizer params should be with/without names")
+        group["params"] = kept_entries
+        super().add_param_group(group)
+        group = self.param_groups[-1]
+        self._attach(group)
+
+    def _attach(self, group: dict[str, Any]) -> None:
+        """Create host copies (and hooks) for a group torch has accepted."""
+        params = group["params"]
+        devices = {p.device for p in chain(params, (s.param for s in self._slot_list))}
+        if len(devices) > 1:
+            raise ValueError(
+                "CPUOffloadOptimizer needs all trainable parameters on one device, got "
+                f"{sorted(map(str, devices))}. Move the model with model.to(device) first."
+            )
+        if params and self._transfers is None:
+            self._setup_device(params[0].device)
+        slots = build_slots(params, self.master_weights, self._arena) if params else []
+        for slot in slots:
+            self._slot_list.append(slot)
+            self._slot_of[slot.param] = slot
+            if self.offload_gradients:
+                self._hooks.append(
+                    slot.param.register_post_accumulate_grad_hook(self._offload_grad)
+                )
+        self._counts["kept"] += len(params)
+        self._counts["kept_numel"] += sum(p.numel() for p in params)
+
+        host_group = {k: v for k, v in group.items() if k != "params"}
+        host_group["params"] = [s.master for s in slots]
+        if self._host_optimizer is None:
+            self._host_optimizer = self.optimizer_cls([host_group], **self._optimizer_kwargs)
+        else:
+            self._host_optimizer.add_param_group(host_group)
+
+    def _setup_device(self, device: torch.device) -> None:
+        self._transfers = Transfers(device)
+        pin = self.pin_memory and self._transfers.is_async
+        self._arena = HostArena(pin=pin)
+        if device.type != "cuda":
+            log.info(
+                "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the update "
+                "runs in host memory with synchronous copies.", device,
+            )
+
+    def _slots(self) -> Iterator[HostSlot]:
+        """Slots in parameter order, group by group (the order of state-dict indices)."""
+        return (self._slot_of[p] for g in self.param_groups for p in g["params"])
+
+    # ------------------------------------------------------------------ gradients
+    def _offload_grad(self, param: torch.Tensor) -> None:
+        """Backward hook (offload_gradients=True): move ``param.grad`` to the host, free it."""
+        slot = self._slot_of[param]
+        grad = param.grad
+        _check_dense(grad)
+        if not slot.has_grad:
+            slot.grad_event = self._transfers.to_host([(grad, slot.grad)])
+            slot.has_grad = True
+        else:
+            # Gradient accumulation: land the new gradient beside the running sum and add
+            # it on the host, in the gradient's dtype as autograd would on the device.
+            self._settle(slot)
+            if slot.incoming is None:
+                slot.incoming = torch.empty_like(slot.grad, pin_memory=self._arena.pin)
+            slot.incoming_event = self._transfers.to_host([(grad, slot.incoming)])
+            slot.incoming_pending = True
+        param.grad = None
+
+    def _settle(self, slot: HostSlot) -> None:
+        """Wait for a slot's gradient copies and add an accumulated one to the running sum."""
+        Transfers.wait(slot.grad_event)
+        slot.grad_event = None
+        if slot.incoming_pending:
+            Transfers.wait(slot.incoming_event)
+            slot.grad.add_(slot.incoming)
+            slot.incoming_pending, slot.incoming_event = False, None
+
+    def _collect_host_grads(self) -> list[HostSlot]:
+        """Bring every available gradient to the host; returns the slots that have one.
+
+        Without offload_gradients the device ``.grad`` is copied now, after whatever the
+        recipe did to it since backward (scaling, clipping). With it, pending copies are
+        awaited and accumulated; a ``.grad`` set on the device by hand is offloaded too.
+        """
+        if self.offload_gradients:
+            for slot in self._slot_list:
+                if slot.param.grad is not None:
+                    self._offload_grad(slot.param)
+            ready = [s for s in self._slots() if s.has_grad]
+            for slot in ready:
+                self._settle(slot)
+            return ready
+        ready = [s for s in self._slots() if s.param.grad is not None]
+        for slot in ready:
+            _check_dense(slot.param.grad)
+        Transfers.wait(self._transfers.to_host([(s.param.grad, s.grad) for s in ready]))
+        return ready
+
+    def _grads_in_place(self) -> list[torch.Tensor]:
+        """The gradients scaling and clipping act on: device ``.grad`` or offloaded copies."""
+        if self.offload_gradients:
+            return [s.grad for s in self._collect_host_grads()]
+        grads = [s.param.grad for s in self._slots() if s.param.grad is not None]
+        for g in grads:
+            _check_dense(g)
+        return grads
+
+    @torch.no_grad()
+    def scale_grads(self, factor: Union[float, torch.Tensor]) -> None:
+        """Multiply every trainable gradient by ``factor``, wherever it currently lives.
+
+        Equivalent to torchtune's ``training.scale_grads(model, factor)``, which cannot
+        reach offloaded gradients (they are ``None`` on the model).
+        """
+        for g in self._grads_in_place():
+            g *= factor.to(g.device) if isinstance(factor, torch.Tensor) else factor
+        self._scaled_since_zero_grad = True
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: Optional[bool] = None,
+    ) -> torch.Tensor:
+        """Clip all trainable gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``.
+
+        Returns:
+            torch.Tensor: the total norm over ALL trainable parameters before clipping (on
+            the host when gradients are offloaded).
+        """
+        grads = self._grads_in_place()
+        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
+        for g in grads:
+            g.mul_(coef.to(g.device))
+        self._scaled_since_zero_grad = True
+        return total
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
+        super().zero_grad(set_to_none)
+        for slot in self._slot_list:
+            # Let in-flight copies land before their buffers count as free again.
+            Transfers.wait(slot.grad_event)
+            Transfers.wait(slot.incoming_event)
+            slot.has_grad, slot.incoming_pending = False, False
+            slot.grad_event = slot.incoming_event = None
+        self._scaled_since_zero_grad = False
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Update the host copies with ``optimizer_cls`` and copy the weights to the device."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._warn_if_unscaled()
+        ready = self._collect_host_grads()
+        if not ready:
+            return loss
+        # The previous step's weight copies read master/weight_stage: let them finish.
+        Transfers.wait(self._last_push)
+        for outer, inner in zip(self.param_groups, self._host_optimizer.param_groups):
+            # Schedulers write lr/betas/momentum into our groups; the host update reads them.
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        for slot in ready:
+            g = slot.grad
+            slot.master.grad = g if g.dtype == slot.master.dtype else g.to(slot.master.dtype)
+        try:
+            self._host_optimizer.step()
+        finally:
+            for slot in ready:
+                slot.master.grad = None
+        self._last_push = self._transfers.to_device(
+            [(slot.weight_source(), slot.param.detach()) for slot in ready]
+        )
+        return loss
+
+    def _warn_if_unscaled(self) -> None:
+        if self.offload_gradients and not self._scaled_since_zero_grad and not self._warned_unscaled:
+            self._warned_unscaled = True
+            log.warning(
+                "CPUOffloadOptimizer(offload_gradients=True): step() ran without "
+                "optimizer.scale_grads() or optimizer.clip_grad_norm_() since zero_grad(). "
+                "torchtune's training.scale_grads(model, ...) and "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) cannot see "
+                "offloaded gradients. Use offload_plugin's recipes, call the optimizer's "
+                "methods, or set offload_gradients=False. (Shown once.)"
+            )
+
+    # ------------------------------------------------------------------ state dict
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``.
+
+        State tensors are the host copies. With master weights, each bf16/fp16 parameter's
+        fp32 master is saved under ``"master_weight"`` so that a resume continues exactly;
+        torch's optimizers ignore that key when loading.
+        """
+        sd = super().state_dict()
+        for index, slot in enumerate(self._slots()):
+            if slot.weight_stage is not None:
+                sd["state"].setdefault(index, {})[MASTER_KEY] = slot.master
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict from this class or any torch optimizer over the same parameters.
+
+        Everything is checked before anything changes; state lands in host memory.
+
+        Raises:
+            ValueError: the state dict does not match this optimizer's groups, parameter
+                counts or parameter shapes; the message says what differs.
+        """
+        state_dict = dict(state_dict)
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = hook(self, state_dict) or state_dict
+        self._validate_state_dict(state_dict)
+
+        slots = list(self._slots())
+        masters, state = {}, {}
+        for index, entry in state_dict["state"].items():
+            entry = dict(entry)
+            if MASTER_KEY in entry:
+                masters[index] = entry.pop(MASTER_KEY)
+            # `step` and other state may come from a GPU optimizer; the update runs here.
+            state[index] = {
+                k: v.to("cpu") if isinstance(v, torch.Tensor) else v for k, v in entry.items()
+            }
+        self._host_optimizer.load_state_dict(
+            {"state": state, "param_groups": state_dict["param_groups"]}
+        )
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            params = group["params"]
+            group.clear()
+            group.update({k: v for k, v in saved.items() if k != "params"})
+            group["params"] = params
+        # A master weight comes from the checkpoint when it has one; otherwise from the
+        # device weights, which the caller has loaded from the model checkpoint.
+        for index, slot in enumerate(slots):
+            if index in masters:
+                slot.master.copy_(masters[index])
+            else:
+                slot.master.copy_(slot.param.detach())
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _validate_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
+            raise ValueError(
+                "not an optimizer state dict: expected the keys 'state' and 'param_groups' "
+                f"(torch's layout), got {sorted(map(str, state_dict))[:8]}. A checkpoint of "
+                "torchao's CPUOffloadOptimizer must be converted first."
+            )
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"state dict has {len(saved_groups)} parameter groups, this optimizer has "
+                f"{len(self.param_groups)}; build the optimizer over the same groups."
+            )
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved["params"]) != len(group["params"]):
+                raise ValueError(
+                    f"parameter group {i}: state dict has {len(saved['params'])} parameters, "
+                    f"this optimizer has {len(group['params'])} trainable ones. Was it saved "
+                    "for another model, or with different parameters frozen?"
+                )
+        index_of = {
+            saved_id: slot
+            for saved_id, slot in zip(
+                chain.from_iterable(g["params"] for g in saved_groups), self._slots()
+            )
+        }
+        for index, entry in state_dict["state"].items():
+            if index not in index_of:
+                raise ValueError(f"state dict has state for unknown parameter index {index}")
+            shape = index_of[index].param.shape
+            for key, value in entry.items():
+                # State shaped like its parameter (exp_avg, momentum_buffer, master_weight)
+                # must match it; factored or scalar state (Adafactor, step) has fewer dims.
+                if isinstance(value, torch.Tensor) and value.dim() == len(shape) and value.dim() > 0:
+                    if value.shape != shape:
+                        raise ValueError(
+                            f"state dict entry {index}[{key!r}] has shape {tuple(value.shape)}, "
+                            f"the parameter has {tuple(shape)}: the checkpoint belongs to "
+                            "another model."
+                        )
+
+    # ------------------------------------------------------------------ reporting
+    def host_memory_bytes(self) -> int:
+        """Host bytes held for the optimizer: master weights, gradients, staging and state."""
+        state_bytes = sum(
+            v.numel() * v.element_size()
+            for st in self._host_optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        )
+        incoming = sum(s.incoming.numel() * s.incoming.element_size()
+                       for s in self._slot_list if s.incoming is not None)
+        return self._arena.nbytes() + state_bytes + incoming
+
+    def __repr__(self) -> str:
+        body = super().__repr__().split(" (", 1)[1]
+        return (
+            f"{type(self).__name__}(optimizer_cls={self.optimizer_cls.__name__}, "
+            f"offload_gradients={self.offload_gradients}, "
+            f"master_weights={self.master_weights}) ({body}"
+        )

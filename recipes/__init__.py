@@ -1,0 +1,1 @@
+# Recipes install as the package offload_plugin.recipes (see pyproject.toml).

@@ -1,0 +1,262 @@
+"""CPUOffloadOptimizer against torch's own optimizers: results, API and bad input."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from offload_plugin import CPUOffloadOptimizer
+from reference_twin import (
+    DEVICES, assert_same_params, batch, make_model, offload, train, trainable, twins,
+)
+
+OPTIMIZERS = {
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "Adam": (torch.optim.Adam, {"lr": 1e-2, "betas": (0.8, 0.99)}),
+    "SGD-momentum": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "nesterov": True}),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize(
+    "offload_gradients,via_optimizer",
+    [(False, False), (False, True), (True, True)],
+    ids=["stock-helpers", "optimizer-helpers", "offload-gradients"],
+)
+def test_matches_reference_optimizer(device, name, offload_gradients, via_optimizer):
+    """Frozen layer, accumulation, scaling, clipping and a scheduler: same weights as optimizer_cls."""
+    cls, kwargs = OPTIMIZERS[name]
+    ref_model, model = twins(device)
+    ref = cls(trainable(ref_model), **kwargs)
+    opt = offload(model, optimizer_cls=cls, offload_gradients=offload_gradients, **kwargs)
+    decay = lambda step: 0.8**step  # noqa: E731
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, decay)
+
+    ref_losses, ref_norms = train(ref_model, ref, 5, accum=3, clip=0.5, sched=ref_sched)
+    losses, norms = train(
+        model, opt, 5, accum=3, clip=0.5, sched=sched, via_optimizer=via_optimizer
+    )
+
+    exact = device == "cpu"  # the same CPU kernels run on both sides
+    assert_same_params(ref_model, model, exact=exact)
+    assert losses == pytest.approx(ref_losses, rel=0 if exact else 1e-5)
+    assert norms == pytest.approx(ref_norms, rel=0 if exact else 1e-5)
+    assert max(ref_norms) > 0.5, "clipping must actually have clipped in this test"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_bf16_master_weights_beat_plain_bf16(device, offload_gradients):
+    """bf16 parameters with fp32 master weights end closer to fp32 training than bf16 AdamW."""
+    kwargs = {"lr": 1e-3}
+    fp32 = make_model(device)
+    bf16_plain = copy.deepcopy(fp32).to(torch.bfloat16)
+    bf16_master = copy.deepcopy(fp32).to(torch.bfloat16)
+    train(fp32, torch.optim.AdamW(trainable(fp32), **kwargs), 30)
+    train(bf16_plain, torch.optim.AdamW(trainable(bf16_plain), **kwargs), 30)
+    opt = offload(bf16_master, offload_gradients=offload_gradients, **kwargs)
+    train(bf16_master, opt, 30, via_optimizer=True)
+
+    def error(model):
+        return sum(
+            (p.float() - q).abs().sum().item()
+            for p, q in zip(trainable(model), trainable(fp32))
+        )
+
+    assert error(bf16_master) < 0.75 * error(bf16_plain)
+    assert all(p.dtype == torch.bfloat16 for p in bf16_master.parameters())
+
+
+def test_master_weights_off_matches_plain_bf16():
+    """master_weights=False updates bf16 copies: bit-identical to AdamW on bf16 parameters."""
+    ref_model, model = twins(dtype=torch.bfloat16)
+    train(ref_model, torch.optim.AdamW(trainable(ref_model), lr=1e-3), 5)
+    train(model, offload(model, master_weights=False, lr=1e-3), 5)
+    assert_same_params(ref_model, model, exact=True)
+
+
+def test_is_a_real_torch_optimizer():
+    """defaults, user's param groups and keys, state by parameter, hooks, zero_grad, repr."""
+    model = make_model()
+    groups = [
+        {"params": model[2].parameters(), "lr": 1e-3, "name": "hidden"},
+        {"params": model[4].parameters(), "name": "head"},
+        {"params": model[0].parameters(), "name": "frozen"},
+    ]
+    opt = CPUOffloadOptimizer(groups, lr=1e-2, betas=(0.8, 0.9))
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert opt.defaults["lr"] == 1e-2 and opt.defaults["betas"] == (0.8, 0.9)
+    assert [g["name"] for g in opt.param_groups] == ["hidden", "head", "frozen"]
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 1e-2, 1e-2]
+    assert opt.param_groups[0]["params"] == list(model[2].parameters())
+    assert opt.param_groups[2]["params"] == []  # frozen parameters dropped, group kept
+
+    calls = []
+    opt.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+    assert len(opt.state) == 0
+    train(model, opt, 1)
+    assert calls == ["pre", "post"]
+    assert set(opt.state) == set(trainable(model))
+    w = model[2].weight
+    assert opt.state[w]["exp_avg"].shape == w.shape
+    assert opt.state[w]["exp_avg"].device.type == "cpu"
+
+    extra = nn.Linear(4, 4)
+    extra.bias.requires_grad_(False)
+    opt.add_param_group({"params": extra.parameters(), "lr": 0.5})
+    assert opt.param_groups[-1]["params"] == [extra.weight]
+    assert opt.param_groups[-1]["betas"] == (0.8, 0.9)  # defaults filled in
+
+    model(torch.randn(2, 16)).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    assert all(torch.all(p.grad == 0) for p in trainable(model))
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in trainable(model))
+    text = repr(opt)
+    assert text.startswith("CPUOffloadOptimizer(optimizer_cls=AdamW")
+    assert "Parameter Group 2" in text and "name: frozen" in text
+
+
+def _param_forms(model):
+    return {
+        "generator": lambda: model.parameters(),
+        "list": lambda: list(model.parameters()),
+        "groups": lambda: [{"params": m.parameters()} for m in (model[0], model[2], model[4])],
+        "named": lambda: model.named_parameters(),
+    }
+
+
+@pytest.mark.parametrize("form", ["generator", "list", "groups", "named"])
+def test_accepts_params_as_torchtune_passes_them(form, caplog):
+    """A generator, a list, group dicts or named parameters; frozen ones dropped and counted."""
+    ref_model, model = twins()
+    with caplog.at_level(logging.INFO, logger="offload_plugin"):
+        opt = CPUOffloadOptimizer(_param_forms(model)[form](), lr=1e-2)
+    assert sum(len(g["params"]) for g in opt.param_groups) == 4
+    assert "optimizing 4 tensors (1,188 elements)" in caplog.text
+    assert "skipped 2 frozen tensors (544 elements)" in caplog.text
+    train(ref_model, torch.optim.AdamW(trainable(ref_model), lr=1e-2), 3)
+    train(model, opt, 3)
+    assert_same_params(ref_model, model, exact=True)
+
+
+def test_frozen_base_weights_get_no_hooks():
+    """offload_gradients hooks only trainable tensors (hooking a frozen one raises in torch)."""
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), offload_gradients=True)
+    assert len(opt._hooks) == 4
+
+
+def test_no_trainable_parameters_raises():
+    """A model with everything frozen gets a ValueError naming the likely cause."""
+    model = make_model().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters.*set_trainable_params"):
+        CPUOffloadOptimizer(model.parameters())
+
+
+def test_notice_without_accelerator(caplog):
+    """On CPU parameters the optimizer says, once, that it runs without transfers."""
+    with caplog.at_level(logging.INFO, logger="offload_plugin"):
+        CPUOffloadOptimizer(make_model().parameters())
+    assert "not a CUDA device" in caplog.text
+
+
+def test_offload_gradients_frees_device_grads_and_accumulates():
+    """With offload_gradients the model's .grad is None after backward; sums match autograd's."""
+    ref_model, model = twins()
+    opt = offload(model, offload_gradients=True)
+    for micro in range(3):
+        x, y = batch(0, micro, "cpu")
+        ((model(x) - y) ** 2).sum().backward()
+        ((ref_model(x) - y) ** 2).sum().backward()
+        assert all(p.grad is None for p in model.parameters())
+    opt._collect_host_grads()
+    for p, ref_p in zip(trainable(model), trainable(ref_model)):
+        torch.testing.assert_close(opt._slot_of[p].grad, ref_p.grad, rtol=0, atol=0)
+
+
+def test_hyperparameter_change_takes_effect_next_step():
+    """lr=0 written into param_groups freezes the weights at the next step; restoring it moves them."""
+    model = make_model()
+    opt = offload(model, lr=1e-2, weight_decay=0.0)
+    opt.param_groups[0]["lr"] = 0.0
+    before = [p.clone() for p in trainable(model)]
+    train(model, opt, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, trainable(model)))
+    opt.param_groups[0]["lr"] = 1e-2
+    train(model, opt, 1)
+    assert not any(torch.equal(a, b) for a, b in zip(before, trainable(model)))
+
+
+def test_optimizer_cls_by_dotted_string():
+    """optimizer_cls may be a dotted path, as written in YAML."""
+    ref_model, model = twins()
+    opt = offload(model, optimizer_cls="torch.optim.SGD", lr=0.1, momentum=0.5)
+    assert opt.optimizer_cls is torch.optim.SGD
+    train(ref_model, torch.optim.SGD(trainable(ref_model), lr=0.1, momentum=0.5), 3)
+    train(model, opt, 3)
+    assert_same_params(ref_model, model, exact=True)
+
+
+def _two_devices():
+    a = nn.Parameter(torch.zeros(2))
+    b = nn.Parameter(torch.zeros(2, device="meta"))
+    return [a, b]
+
+
+@pytest.mark.parametrize(
+    "make_args,error,match",
+    [
+        (lambda m: ([*m.parameters()], {"lr": -1.0}), ValueError, "Invalid learning rate"),
+        (lambda m: ([*m.parameters()], {"betas": (1.5, 0.9)}), ValueError, "Invalid beta"),
+        (lambda m: ([*m.parameters()], {"bogus": 1}), TypeError, "bogus"),
+        (lambda m: ([m[2].weight, m[2].weight], {}), ValueError, "more than once"),
+        (
+            lambda m: ([{"params": [m[2].weight]}, {"params": [m[2].weight]}], {}),
+            ValueError, "more than one parameter group",
+        ),
+        (lambda m: (_two_devices(), {}), ValueError, "one device"),
+        (lambda m: ([*m.parameters()], {"optimizer_cls": "torch.optim.Nope"}), ValueError,
+         "does not resolve"),
+        (lambda m: ([*m.parameters()], {"optimizer_cls": "nomodule.X"}), ValueError,
+         "does not resolve"),
+        (lambda m: ([*m.parameters()], {"optimizer_cls": nn.Linear}), TypeError, "Optimizer subclass"),
+        (lambda m: ([*m.parameters()], {"optimizer_cls": torch.optim.LBFGS}), ValueError,
+         "not supported"),
+        (lambda m: (m[2].weight, {}), TypeError, "iterable"),
+    ],
+    ids=["lr", "betas", "unknown-kwarg", "twice-in-group", "twice-across-groups",
+         "two-devices", "bad-class-name", "bad-module", "not-an-optimizer", "lbfgs",
+         "bare-tensor"],
+)
+def test_bad_input_raises_clear_error(make_args, error, match):
+    """Each kind of bad input raises an exception whose message names the problem."""
+    params, kwargs = make_args(make_model())
+    with pytest.raises(error, match=match):
+        CPUOffloadOptimizer(params, **kwargs)
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_sparse_gradients_raise(offload_gradients):
+    """Sparse gradients are refused with a message saying how to avoid them."""
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = CPUOffloadOptimizer(emb.parameters(), offload_gradients=offload_gradients)
+    with pytest.raises(RuntimeError, match="sparse=False"):
+        emb(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+
+
+def test_host_memory_bytes_counts_buffers_and_state():
+    """host_memory_bytes covers the host buffers plus AdamW's two moments."""
+    model = make_model()
+    opt = offload(model)
+    n = sum(p.numel() for p in trainable(model))
+    assert opt.host_memory_bytes() == 2 * 4 * n  # fp32 master + grad, no state yet
+    train(model, opt, 1)
+    step_bytes = 4 * len(trainable(model))  # AdamW keeps `step` as a 0-d fp32 tensor
+    assert opt.host_memory_bytes() == 4 * 4 * n + step_bytes
