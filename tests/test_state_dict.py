@@ -1,0 +1,146 @@
+"""State dicts in torch's layout: interchangeable with torch.optim.AdamW, validated, resumable."""
+
+import copy
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_plugin import CPUOffloadOptimizer
+from reference_twin import DEVICES, assert_same_params, make_model, offload, train, trainable, twins
+
+
+def test_layout_is_torch_standard():
+    """{"state": {index: ...}, "param_groups": [...]} with indices in trainable-parameter order."""
+    model = make_model()
+    opt = offload(model, lr=1e-2)
+    ref = torch.optim.AdamW(trainable(model), lr=1e-2)
+    train(model, opt, 1)
+    sd, ref_sd = opt.state_dict(), ref.state_dict()
+    assert sd.keys() == ref_sd.keys() == {"state", "param_groups"}
+    assert sd["param_groups"] == ref_sd["param_groups"]
+    assert list(sd["state"]) == [0, 1, 2, 3]
+    for index, p in enumerate(trainable(model)):
+        assert sd["state"][index]["exp_avg"].shape == p.shape
+        assert set(sd["state"][index]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_interchangeable_with_plain_adamw(device):
+    """A plain AdamW state dict loads into the offload optimizer and back, continuing identically."""
+    ref_model, model = twins(device)
+    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    train(ref_model, ref, 3)
+    model.load_state_dict(ref_model.state_dict())
+
+    opt = offload(model, lr=1e-2)
+    opt.load_state_dict(ref.state_dict())
+    assert all(v.device.type == "cpu" for st in opt.state.values() for v in st.values())
+    train(ref_model, ref, 2, start=3)
+    train(model, opt, 2, start=3)
+    assert_same_params(ref_model, model, exact=device == "cpu")
+
+    back = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    back.load_state_dict(copy.deepcopy(opt.state_dict()))  # as through torch.save/load
+    train(ref_model, back, 2, start=5)
+    train(model, opt, 2, start=5)
+    assert_same_params(ref_model, model, exact=device == "cpu")
+
+
+def _mismatches():
+    def more_groups(sd):
+        sd["param_groups"].append(dict(sd["param_groups"][0], params=[]))
+
+    def fewer_params(sd):
+        sd["param_groups"][0]["params"].pop()
+
+    def wrong_shape(sd):
+        sd["state"][0]["exp_avg"] = torch.zeros(3, 3)
+
+    def not_a_state_dict(sd):
+        sd.clear()
+        sd["offloaded"] = []
+
+    return {
+        "group-count": (more_groups, "2 parameter groups"),
+        "param-count": (fewer_params, "3 parameters"),
+        "shape": (wrong_shape, "shape \\(3, 3\\)"),
+        "layout": (not_a_state_dict, "expected the keys 'state' and 'param_groups'"),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_mismatches()))
+def test_mismatched_state_dict_is_refused_and_changes_nothing(kind):
+    """Group count, parameter count, shapes or layout that differ: ValueError, state untouched."""
+    mutate, message = _mismatches()[kind]
+    model = make_model()
+    opt = offload(model, lr=1e-2)
+    train(model, opt, 2)
+    before = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(before)
+    for g in bad["param_groups"]:
+        g["lr"] = 123.0
+    mutate(bad)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for index, st in before["state"].items():
+        for key, value in st.items():
+            torch.testing.assert_close(after["state"][index][key], value, rtol=0, atol=0)
+
+
+_RESUME = textwrap.dedent(
+    """
+    import sys, torch
+    sys.path.insert(0, {tests!r})
+    from reference_twin import make_model, offload, train
+    ckpt = torch.load({ckpt!r}, weights_only=True)
+    model = make_model({device!r}, getattr(torch, {dtype!r}))
+    model.load_state_dict(ckpt["model"])
+    opt = offload(model, lr=1e-3, offload_gradients={offload})
+    opt.load_state_dict(ckpt["optimizer"])
+    train(model, opt, 3, start=3, via_optimizer=True)
+    torch.save(model.state_dict(), {out!r})
+    """
+)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_resume_in_new_process_matches_uninterrupted(tmp_path, device, dtype, offload_gradients):
+    """Save after 3 steps, load in a new process, 3 more steps: the weights of 6 straight steps.
+
+    With bf16 parameters this needs the fp32 master weights from the checkpoint.
+    """
+    straight, part = twins(device, getattr(torch, dtype))
+    train(straight, offload(straight, lr=1e-3, offload_gradients=offload_gradients), 6,
+          via_optimizer=True)
+    opt = offload(part, lr=1e-3, offload_gradients=offload_gradients)
+    train(part, opt, 3, via_optimizer=True)
+    ckpt, out = tmp_path / "ckpt.pt", tmp_path / "final.pt"
+    torch.save({"model": part.state_dict(), "optimizer": opt.state_dict()}, ckpt)
+
+    script = _RESUME.format(
+        tests=str(Path(__file__).parent), ckpt=str(ckpt), out=str(out), device=device,
+        dtype=dtype, offload=offload_gradients,
+    )
+    subprocess.run([sys.executable, "-c", script], check=True)
+    resumed = torch.load(out, weights_only=True)
+    for name, value in straight.state_dict().items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_checkpoint_without_master_weights_starts_from_device_weights():
+    """A plain-AdamW checkpoint has no fp32 masters: they start from the loaded bf16 weights."""
+    model = make_model(dtype=torch.bfloat16)
+    opt = offload(model, lr=1e-3)
+    plain = torch.optim.AdamW(trainable(model), lr=1e-3)
+    train(model, plain, 2)
+    opt.load_state_dict(plain.state_dict())
+    for p in trainable(model):
+        assert torch.equal(opt._slot_of[p].master, p.float())
