@@ -19,16 +19,19 @@ def qlora_model(device):
     """A 2-layer Llama-3.2-shaped model with NF4 base weights and LoRA adapters."""
     from torchtune.models.llama3_2._component_builders import lora_llama3_2
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
+    from torchtune.training import set_default_dtype
 
     torch.manual_seed(0)
-    model = lora_llama3_2(
-        ["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
-        vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128,
-        intermediate_dim=256, max_seq_len=SEQ, lora_rank=4, lora_alpha=8,
-        quantize_base=True,
-    )
+    # Built in place, as torchtune's recipes do: NF4 weights don't follow a later .to(device).
+    with set_default_dtype(torch.bfloat16), torch.device(device):
+        model = lora_llama3_2(
+            ["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
+            vocab_size=VOCAB, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128,
+            intermediate_dim=256, max_seq_len=SEQ, lora_rank=4, lora_alpha=8,
+            quantize_base=True,
+        )
     set_trainable_params(model, get_adapter_params(model))
-    return model.to(device=device, dtype=torch.bfloat16)
+    return model
 
 
 def build(model):
