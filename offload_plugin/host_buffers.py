@@ -95,10 +95,7 @@ class HostSlot:
 
     def weight_source(self) -> torch.Tensor:
         """The host tensor whose values are copied into the device parameter."""
-        if self.weight_stage is None:
-            return self.master
-        self.weight_stage.copy_(self.master)
-        return self.weight_stage
+        return self.master if self.weight_stage is None else self.weight_stage
 
 
 def build_slots(

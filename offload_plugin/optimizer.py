@@ -12,6 +12,8 @@ import torch
 from torch.optim import Optimizer
 
 from offload_plugin.host_buffers import HostArena, HostSlot, build_slots
+from offload_plugin.host_update import update_slots
+from offload_plugin.host_worker import HostWorker
 from offload_plugin.transfer import Transfers
 
 __all__ = ["CPUOffloadOptimizer"]
@@ -160,6 +162,10 @@ class CPUOffloadOptimizer(Optimizer):
         self._transfers: Optional[Transfers] = None
         self._arena: Optional[HostArena] = None
         self._last_push = None
+        self._worker: Optional[HostWorker] = None
+        # While a step's updates are being submitted: hyperparameters, grad scale and the
+        # parameters already handed to the worker (see overlap_next_step).
+        self._overlap: Optional[dict] = None
         self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0}
         self._scaled_since_zero_grad = False
         self._warned_unscaled = False
@@ -188,6 +194,11 @@ class CPUOffloadOptimizer(Optimizer):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
         group = dict(param_group)
         entries = group["params"]
+        if isinstance(entries, set):
+            raise TypeError(
+                "optimizer parameters need to be an ordered collection (a list), not a set: "
+                "state-dict indices follow their order."
+            )
         entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
         named = [e for e in entries if isinstance(e, tuple)]
         tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
@@ -242,6 +253,9 @@ class CPUOffloadOptimizer(Optimizer):
         self._transfers = Transfers(device)
         pin = self.pin_memory and self._transfers.is_async
         self._arena = HostArena(pin=pin)
+        # With a GPU, leave a core to the training thread for launching kernels.
+        threads = torch.get_num_threads()
+        self._worker = HostWorker(max(1, threads - 1) if self._transfers.is_async else threads)
         if device.type != "cuda":
             log.info(
                 "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the update "
@@ -270,6 +284,8 @@ class CPUOffloadOptimizer(Optimizer):
             slot.incoming_event = self._transfers.to_host([(grad, slot.incoming)])
             slot.incoming_pending = True
         param.grad = None
+        if self._overlap is not None:
+            self._submit_update(slot)
 
     def _settle(self, slot: HostSlot) -> None:
         """Wait for a slot's gradient copies and add an accumulated one to the running sum."""
@@ -280,31 +296,27 @@ class CPUOffloadOptimizer(Optimizer):
             slot.grad.add_(slot.incoming)
             slot.incoming_pending, slot.incoming_event = False, None
 
-    def _collect_host_grads(self) -> list[HostSlot]:
-        """Bring every available gradient to the host; returns the slots that have one.
-
-        Without offload_gradients the device ``.grad`` is copied now, after whatever the
-        recipe did to it since backward (scaling, clipping). With it, pending copies are
-        awaited and accumulated; a ``.grad`` set on the device by hand is offloaded too.
-        """
-        if self.offload_gradients:
-            for slot in self._slot_list:
-                if slot.param.grad is not None:
-                    self._offload_grad(slot.param)
-            ready = [s for s in self._slots() if s.has_grad]
-            for slot in ready:
-                self._settle(slot)
-            return ready
-        ready = [s for s in self._slots() if s.param.grad is not None]
+    def _settled_host_grads(self) -> list[HostSlot]:
+        """offload_gradients: every gradient complete on the host (a ``.grad`` set on the
+        device by hand is offloaded too); returns the slots that have one."""
+        for slot in self._slot_list:
+            if slot.param.grad is not None:
+                self._offload_grad(slot.param)
+        ready = [s for s in self._slots() if s.has_grad]
         for slot in ready:
-            _check_dense(slot.param.grad)
-        Transfers.wait(self._transfers.to_host([(s.param.grad, s.grad) for s in ready]))
+            self._settle(slot)
         return ready
 
-    def _grads_in_place(self) -> list[torch.Tensor]:
+    def _grads_in_place(self, action: str) -> list[torch.Tensor]:
         """The gradients scaling and clipping act on: device ``.grad`` or offloaded copies."""
+        if self._overlap is not None:
+            raise RuntimeError(
+                f"{action} after overlap_next_step(): the updates already use the "
+                "gradients. Pass grad_scale to overlap_next_step() instead, and don't "
+                "overlap steps that clip."
+            )
         if self.offload_gradients:
-            return [s.grad for s in self._collect_host_grads()]
+            return [s.grad for s in self._settled_host_grads()]
         grads = [s.param.grad for s in self._slots() if s.param.grad is not None]
         for g in grads:
             _check_dense(g)
@@ -317,7 +329,7 @@ class CPUOffloadOptimizer(Optimizer):
         Equivalent to torchtune's ``training.scale_grads(model, factor)``, which cannot
         reach offloaded gradients (they are ``None`` on the model).
         """
-        for g in self._grads_in_place():
+        for g in self._grads_in_place("scale_grads()"):
             g *= factor.to(g.device) if isinstance(factor, torch.Tensor) else factor
         self._scaled_since_zero_grad = True
 
@@ -335,7 +347,7 @@ class CPUOffloadOptimizer(Optimizer):
             torch.Tensor: the total norm over ALL trainable parameters before clipping (on
             the host when gradients are offloaded).
         """
-        grads = self._grads_in_place()
+        grads = self._grads_in_place("clip_grad_norm_()")
         total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
         for g in grads:
@@ -345,6 +357,7 @@ class CPUOffloadOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
+        self._worker.drain()
         super().zero_grad(set_to_none)
         for slot in self._slot_list:
             # Let in-flight copies land before their buffers count as free again.
@@ -355,33 +368,87 @@ class CPUOffloadOptimizer(Optimizer):
         self._scaled_since_zero_grad = False
 
     # ------------------------------------------------------------------ step
+    def overlap_next_step(self, grad_scale: Optional[float] = None) -> None:
+        """Start each parameter's update as soon as the next backward delivers its gradient.
+
+        Call it right before the last backward of an accumulation window, then call
+        ``step()`` as usual: it only waits for the updates that are still running. The
+        host update then overlaps the backward pass instead of following it. Results are
+        the same as scaling with ``scale_grads(grad_scale)`` and stepping afterwards; the
+        updates read the lr and other hyperparameters in ``param_groups`` now.
+
+        Args:
+            grad_scale (float, optional): multiply each gradient by this in the update
+                (torchtune's ``1 / num_tokens``), since ``scale_grads`` comes too late.
+
+        Raises:
+            ValueError: without ``offload_gradients=True``, whose backward hooks are what
+                bring the gradients to the host early.
+        """
+        if not self.offload_gradients:
+            raise ValueError(
+                "overlap_next_step() needs CPUOffloadOptimizer(offload_gradients=True)."
+            )
+        self._scaled_since_zero_grad = True
+        self._overlap = self._prepare_updates(grad_scale)
+
+    def _prepare_updates(self, grad_scale: Optional[float]) -> dict:
+        """Sync hyperparameters and make the host buffers safe to overwrite."""
+        for outer, inner in zip(self.param_groups, self._host_optimizer.param_groups):
+            # Schedulers write lr/betas/momentum into our groups; the host update reads them.
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        # The previous step's weight copies read master/weight_stage: let them finish.
+        Transfers.wait(self._last_push)
+        groups = {m: g for g in self._host_optimizer.param_groups for m in g["params"]}
+        return {"groups": groups, "grad_scale": grad_scale, "submitted": set()}
+
+    def _submit_update(self, slot: HostSlot) -> None:
+        plan = self._overlap
+        plan["submitted"].add(slot.master)
+
+        def update() -> None:
+            self._settle(slot)
+            update_slots(self._host_optimizer, plan["groups"], [slot], plan["grad_scale"])
+            self._last_push = self._transfers.to_device(
+                [(slot.weight_source(), slot.param.detach())]
+            )
+
+        self._worker.submit(update)
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """Update the host copies with ``optimizer_cls`` and copy the weights to the device."""
+        """Update the host copies with ``optimizer_cls`` and copy the weights to the device.
+
+        Parameters are processed one by one on a background thread: the host update of
+        one overlaps the copies of the others in both directions.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._warn_if_unscaled()
-        ready = self._collect_host_grads()
-        if not ready:
-            return loss
-        # The previous step's weight copies read master/weight_stage: let them finish.
-        Transfers.wait(self._last_push)
-        for outer, inner in zip(self.param_groups, self._host_optimizer.param_groups):
-            # Schedulers write lr/betas/momentum into our groups; the host update reads them.
-            inner.update({k: v for k, v in outer.items() if k != "params"})
-        for slot in ready:
-            g = slot.grad
-            slot.master.grad = g if g.dtype == slot.master.dtype else g.to(slot.master.dtype)
+        if self._overlap is None:
+            self._warn_if_unscaled()
+            if not self.offload_gradients:
+                # The recipe has finished with .grad (scaling, clipping): copy it now.
+                for slot in self._slots():
+                    if slot.param.grad is not None:
+                        _check_dense(slot.param.grad)
+                        slot.grad_event = self._transfers.to_host([(slot.param.grad, slot.grad)])
+                        slot.has_grad = True
+            self._overlap = self._prepare_updates(grad_scale=None)
         try:
-            self._host_optimizer.step()
+            for slot in self._slots():
+                if self.offload_gradients and slot.param.grad is not None:
+                    self._offload_grad(slot.param)  # set by hand; the hook submits it
+                elif slot.has_grad and slot.master not in self._overlap["submitted"]:
+                    self._submit_update(slot)
+            self._worker.drain()
         finally:
-            for slot in ready:
-                slot.master.grad = None
-        self._last_push = self._transfers.to_device(
-            [(slot.weight_source(), slot.param.detach()) for slot in ready]
-        )
+            self._overlap = None
+            if not self.offload_gradients:
+                for slot in self._slot_list:
+                    slot.has_grad = False
+        self._transfers.order_compute_after(self._last_push)
         return loss
 
     def _warn_if_unscaled(self) -> None:
@@ -430,9 +497,11 @@ class CPUOffloadOptimizer(Optimizer):
             entry = dict(entry)
             if MASTER_KEY in entry:
                 masters[index] = entry.pop(MASTER_KEY)
-            # `step` and other state may come from a GPU optimizer; the update runs here.
+            # Copies, on the host: the source may live on a GPU, or be another optimizer's
+            # live state, which must not be stepped twice.
             state[index] = {
-                k: v.to("cpu") if isinstance(v, torch.Tensor) else v for k, v in entry.items()
+                k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                for k, v in entry.items()
             }
         self._host_optimizer.load_state_dict(
             {"state": state, "param_groups": state_dict["param_groups"]}

@@ -1,10 +1,11 @@
 """Copies between the parameters' device and host memory, ordered by CUDA events.
 
-On CUDA every copy runs on one side stream, so copies overlap compute and run in the
-order they were issued (a device-to-host copy into a buffer never overtakes an earlier
-host-to-device copy out of it). Each copy first waits for the work already queued on
-the compute stream, so it sees whatever the recipe did to ``.grad`` or the weights
-before it. On any other device the copies are plain synchronous ``copy_`` calls: the
+On CUDA, gradients go to the host on one side stream and weights come back on another,
+so both directions overlap compute and each other; within a direction copies run in the
+order they were issued. Each copy first waits for the work already queued on the compute
+stream, so it sees whatever the recipe did to ``.grad`` or the weights before it. Host
+buffers are reused only after the host has waited for the copies that touch them (see
+CPUOffloadOptimizer.step). On any other device the copies are plain synchronous ``copy_`` calls: the
 same code path, minus the overlap, which is what CPU-only CI exercises.
 """
 
@@ -27,7 +28,8 @@ class Transfers:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_async = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.is_async else None
+        self.d2h = torch.cuda.Stream(device) if self.is_async else None
+        self.h2d = torch.cuda.Stream(device) if self.is_async else None
 
     def _compute_stream(self):
         return torch.cuda.current_stream(self.device)
@@ -42,32 +44,40 @@ class Transfers:
             for src, dst in pairs:
                 dst.copy_(src)
             return None
-        self.stream.wait_stream(self._compute_stream())
-        with torch.cuda.stream(self.stream):
+        self.d2h.wait_stream(self._compute_stream())
+        with torch.cuda.stream(self.d2h):
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
                 # The caching allocator would otherwise hand src's memory to the compute
                 # stream as soon as the caller drops it, while this copy still reads it.
-                src.record_stream(self.stream)
+                src.record_stream(self.d2h)
             event = torch.cuda.Event()
-            event.record(self.stream)
+            event.record(self.d2h)
         return event
 
     def to_device(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Optional[object]:
-        """Copy each ``(host_src, device_dst)``; later compute-stream work waits for them."""
+        """Copy each ``(host_src, device_dst)``; returns the event of the last copy.
+
+        Copies in this direction complete in issue order, so waiting for the latest
+        event (``order_compute_after``) covers all earlier ones.
+        """
         if not self.is_async:
             for src, dst in pairs:
                 dst.copy_(src)
             return None
-        compute = self._compute_stream()
-        self.stream.wait_stream(compute)  # nothing queued before may still read the old values
-        with torch.cuda.stream(self.stream):
+        # Work queued before (the backward that read these weights) must finish first.
+        self.h2d.wait_stream(self._compute_stream())
+        with torch.cuda.stream(self.h2d):
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
-            event.record(self.stream)
-        compute.wait_event(event)
+            event.record(self.h2d)
         return event
+
+    def order_compute_after(self, event: Optional[object]) -> None:
+        """Make work queued on the compute stream from now on wait for ``event``."""
+        if event is not None:
+            self._compute_stream().wait_event(event)
 
     @staticmethod
     def wait(event: Optional[object]) -> None:

@@ -16,6 +16,9 @@ OPTIMIZERS = {
     "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "Adam": (torch.optim.Adam, {"lr": 1e-2, "betas": (0.8, 0.99)}),
     "SGD-momentum": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "nesterov": True}),
+    # fused=True takes the chunked fast path (offload_plugin.host_update).
+    "AdamW-fused": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+    "Adam-fused-amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "fused": True}),
 }
 
 
@@ -175,7 +178,7 @@ def test_offload_gradients_frees_device_grads_and_accumulates():
         ((model(x) - y) ** 2).sum().backward()
         ((ref_model(x) - y) ** 2).sum().backward()
         assert all(p.grad is None for p in model.parameters())
-    opt._collect_host_grads()
+    opt._settled_host_grads()
     for p, ref_p in zip(trainable(model), trainable(ref_model)):
         torch.testing.assert_close(opt._slot_of[p].grad, ref_p.grad, rtol=0, atol=0)
 
@@ -229,10 +232,11 @@ def _two_devices():
         (lambda m: ([*m.parameters()], {"optimizer_cls": torch.optim.LBFGS}), ValueError,
          "not supported"),
         (lambda m: (m[2].weight, {}), TypeError, "iterable"),
+        (lambda m: ([{"params": set(m.parameters())}], {}), TypeError, "not a set"),
     ],
     ids=["lr", "betas", "unknown-kwarg", "twice-in-group", "twice-across-groups",
          "two-devices", "bad-class-name", "bad-module", "not-an-optimizer", "lbfgs",
-         "bare-tensor"],
+         "bare-tensor", "set"],
 )
 def test_bad_input_raises_clear_error(make_args, error, match):
     """Each kind of bad input raises an exception whose message names the problem."""
@@ -260,3 +264,64 @@ def test_host_memory_bytes_counts_buffers_and_state():
     train(model, opt, 1)
     step_bytes = 4 * len(trainable(model))  # AdamW keeps `step` as a 0-d fp32 tensor
     assert opt.host_memory_bytes() == 4 * 4 * n + step_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_path_is_bitwise_torch_fused_adamw_across_chunks(dtype, monkeypatch):
+    """Parameters spanning several chunks: the chunked update equals AdamW(fused=True) exactly."""
+    import offload_plugin.host_update as host_update
+
+    monkeypatch.setattr(host_update, "CHUNK_NUMEL", 1000)  # many chunks, ragged last one
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 100), nn.Linear(100, 3)).to(dtype)
+    ref_model = copy.deepcopy(model).float()  # fp32 reference = what the master weights see
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
+    ref = torch.optim.AdamW(ref_model.parameters(), **kwargs)
+    opt = CPUOffloadOptimizer(model.parameters(), **kwargs)
+    for step in range(3):
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(step))
+        model(x.to(dtype)).square().sum().backward()
+        for p, rp in zip(model.parameters(), ref_model.parameters()):
+            rp.grad = p.grad.float()  # the same gradients on both sides
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+    for p, rp in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(opt._slot_of[p].master, rp.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(p, rp.detach().to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "AdamW-fused", "SGD-momentum"])
+def test_overlap_next_step_matches_scale_then_step(name):
+    """Updates started during the last backward (overlap_next_step) equal scale-then-step."""
+    cls, kwargs = OPTIMIZERS[name]
+    ref_model, model = twins()
+    ref = cls(trainable(ref_model), **kwargs)
+    opt = offload(model, optimizer_cls=cls, offload_gradients=True, **kwargs)
+    train(ref_model, ref, 4, accum=3)
+    for step in range(4):
+        before = [p.clone() for p in trainable(model)]
+        for micro in range(3):
+            if micro == 2:
+                opt.overlap_next_step(grad_scale=1.0 / 24)  # 3 micro-batches of 8 rows
+            x, y = batch(step, micro, "cpu")
+            ((model(x) - y) ** 2).sum().backward()
+        opt._worker.drain()
+        # Already updated before step() is called: the work ran alongside backward.
+        assert not any(torch.equal(a, b) for a, b in zip(before, trainable(model)))
+        opt.step()
+        opt.zero_grad()
+    assert_same_params(ref_model, model, exact=True)
+
+
+def test_overlap_refuses_late_scaling_or_clipping():
+    """Once updates run during backward, scaling or clipping afterwards raises."""
+    model = make_model()
+    opt = offload(model, offload_gradients=True)
+    opt.overlap_next_step(grad_scale=0.5)
+    model(torch.randn(2, 16)).sum().backward()
+    with pytest.raises(RuntimeError, match="overlap_next_step"):
+        opt.clip_grad_norm_(1.0)
+    opt.step()
+    with pytest.raises(ValueError, match="offload_gradients=True"):
+        offload(make_model()).overlap_next_step()
