@@ -392,6 +392,11 @@ class CPUOffloadOptimizer(Optimizer):
         self._scaled_since_zero_grad = True
         self._overlap = self._prepare_updates(grad_scale)
 
+    @property
+    def overlapping(self) -> bool:
+        """True between ``overlap_next_step()`` and the ``step()`` that completes it."""
+        return self._overlap is not None
+
     def _prepare_updates(self, grad_scale: Optional[float]) -> dict:
         """Sync hyperparameters and make the host buffers safe to overwrite."""
         for outer, inner in zip(self.param_groups, self._host_optimizer.param_groups):

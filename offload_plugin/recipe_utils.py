@@ -15,11 +15,29 @@ from torchtune import training
 
 from offload_plugin.optimizer import CPUOffloadOptimizer
 
-__all__ = ["scale_grads", "clip_grad_norm", "optimizer_metrics"]
+__all__ = ["overlap_last_backward", "scale_grads", "clip_grad_norm", "optimizer_metrics"]
 
 
 def _is_offload(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, CPUOffloadOptimizer)
+
+
+def overlap_last_backward(
+    optimizer: torch.optim.Optimizer, num_tokens: torch.Tensor, clip_grad_norm
+) -> bool:
+    """Before the last backward of a step, let the host updates start during it.
+
+    Only for ``CPUOffloadOptimizer(offload_gradients=True)`` and without clipping, which
+    needs every gradient before any update. Exact: the optimizer applies ``1/num_tokens``
+    inside each update instead of ``scale_grads`` afterwards, which then does nothing.
+
+    Returns:
+        bool: whether the updates will overlap backward.
+    """
+    if not (_is_offload(optimizer) and optimizer.offload_gradients and clip_grad_norm is None):
+        return False
+    optimizer.overlap_next_step(grad_scale=1.0 / float(num_tokens))
+    return True
 
 
 def scale_grads(
@@ -33,7 +51,8 @@ def scale_grads(
         factor (torch.Tensor): scalar factor, e.g. ``1 / num_tokens``.
     """
     if _is_offload(optimizer):
-        optimizer.scale_grads(factor)
+        if not optimizer.overlapping:  # else the updates already apply it
+            optimizer.scale_grads(factor)
     else:
         training.scale_grads(model, factor)
 

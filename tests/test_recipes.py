@@ -1,0 +1,177 @@
+"""End-to-end runs of our recipes (and torchtune's) with the offload optimizer, on CPU.
+
+Every run uses the tiny offline demo model of ``offload_plugin.demo`` and goes through the
+``tune`` command line, as a user would launch it. Needs ``pip install -e .`` (the recipes
+install as ``offload_plugin.recipes``).
+"""
+
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO_CONFIGS = REPO / "configs" / "demo"
+STEPS = 15  # optimizer steps per epoch: enough for the loss to fall, a few seconds each run
+RECIPE = {
+    "qlora": "lora_finetune_single_device.py",
+    "lora": "lora_finetune_single_device.py",
+    "full": "full_finetune_single_device.py",
+}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A prepared demo dir plus an environment whose HF_HOME (Arrow cache) is private."""
+    root = tmp_path_factory.mktemp("recipes")
+    env = dict(os.environ, HF_HOME=str(root / "hf_home"), PYTHONUNBUFFERED="1")
+    _run([sys.executable, "-m", "offload_plugin.demo", "prepare", "--output-dir", str(root / "demo")], env, root)
+    return root, env
+
+
+def _run(cmd, env, cwd):
+    proc = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def _tune_run(recipe, kind, workdir, out, *overrides, cwd=REPO):
+    """Launch `tune run RECIPE --config configs/demo/tiny_KIND_offload.yaml` with small-run overrides."""
+    root, env = workdir
+    cmd = [
+        sys.executable, "-m", "torchtune._cli.tune", "run", recipe,
+        "--config", str(DEMO_CONFIGS / f"tiny_{kind}_offload.yaml"),
+        f"demo_dir={root / 'demo'}", f"output_dir={out}",
+        "batch_size=4", f"max_steps_per_epoch={STEPS}", "lr_scheduler.num_warmup_steps=3",
+        "metric_logger.filename=log.txt", *overrides,
+    ]  # fmt: skip
+    return _run(cmd, env, cwd)
+
+
+def _logged(out: Path) -> dict:
+    """{step: {metric: value}} read back from DiskLogger's file."""
+    steps = {}
+    for line in (out / "logs" / "log.txt").read_text().splitlines():
+        m = re.match(r"Step (\d+) \| (.*)", line)
+        if m:
+            steps[int(m.group(1))] = {k: float(v) for k, v in (kv.split(":") for kv in m.group(2).split())}
+    return steps
+
+
+def _losses(out: Path) -> list:
+    return [m["loss"] for _, m in sorted(_logged(out).items())]
+
+
+@pytest.fixture(scope="module")
+def straight_runs(workdir):
+    """Two uninterrupted epochs per recipe kind, shared by the loss and resume tests."""
+    root, _ = workdir
+    runs = {}
+    for kind, offload_grads in (("qlora", False), ("lora", True), ("full", True)):
+        out = root / f"straight_{kind}"
+        _tune_run(
+            f"offload_plugin/recipes/{RECIPE[kind]}", kind, workdir, out,
+            "epochs=2", f"optimizer.offload_gradients={offload_grads}",
+        )  # fmt: skip
+        runs[kind] = (out, offload_grads)
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["qlora", "lora", "full"])
+def test_loss_falls_and_metrics_logged(straight_runs, kind):
+    """Our recipe trains the demo model with CPUOffloadOptimizer: loss falls, metrics and checkpoint are written."""
+    out, _ = straight_runs[kind]
+    logged = _logged(out)
+    assert sorted(logged) == list(range(1, 2 * STEPS + 1))
+    losses = _losses(out)
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1, losses
+    first = logged[1]
+    for key in ("loss", "lr", "tokens_per_second_per_gpu", "grad_norm", "optimizer_step_s"):
+        assert key in first, f"{key} not logged: {first}"
+    assert first["optimizer_host_memory_gib"] > 0
+    weights = "adapter_model.pt" if kind != "full" else "model-00001-of-00001.bin"
+    assert (out / "epoch_1" / weights).is_file()
+
+
+@pytest.mark.parametrize("kind", ["qlora", "lora", "full"])
+def test_resume_reproduces_uninterrupted_run(straight_runs, workdir, tmp_path, kind):
+    """Resuming after epoch 1 from the saved checkpoint logs the same losses and lrs as the uninterrupted run."""
+    straight, offload_grads = straight_runs[kind]
+    # The disk state right after epoch 1: the 2-epoch run's files without the final epoch.
+    out = tmp_path / "resumed"
+    shutil.copytree(straight, out, ignore=shutil.ignore_patterns("epoch_1", "logs"))
+    overrides = ["epochs=2", f"optimizer.offload_gradients={offload_grads}", "resume_from_checkpoint=True"]
+    if kind == "full":  # full fine-tuning resumes the model from output_dir
+        overrides.append("checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]")
+    _tune_run(f"offload_plugin/recipes/{RECIPE[kind]}", kind, workdir, out, *overrides)
+
+    expected = {s: m for s, m in _logged(straight).items() if s > STEPS}
+    resumed = _logged(out)
+    assert sorted(resumed) == sorted(expected)
+    for step in expected:
+        assert resumed[step]["loss"] == expected[step]["loss"], step
+        assert resumed[step]["lr"] == expected[step]["lr"], step
+
+
+def test_gradient_accumulation_matches_larger_batch(straight_runs, workdir, tmp_path):
+    """Two accumulated micro-batches of 2 train like one batch of 4: token-normalized loss, scaling through the optimizer."""
+    straight, offload_grads = straight_runs["full"]
+    out = tmp_path / "accum"
+    _tune_run(
+        f"offload_plugin/recipes/{RECIPE['full']}", "full", workdir, out,
+        "epochs=2", "batch_size=2", "gradient_accumulation_steps=2", f"optimizer.offload_gradients={offload_grads}",
+    )  # fmt: skip
+    torch.testing.assert_close(torch.tensor(_losses(out)), torch.tensor(_losses(straight)), rtol=1e-4, atol=1e-5)
+
+
+def test_overlapped_updates_match_updates_after_backward(workdir, tmp_path):
+    """offload_gradients without clipping starts updates during backward: losses equal the plain order's."""
+    runs = {}
+    for offload_grads in (False, True):
+        out = tmp_path / f"offload_{offload_grads}"
+        _tune_run(
+            f"offload_plugin/recipes/{RECIPE['full']}", "full", workdir, out,
+            "batch_size=2", "gradient_accumulation_steps=2", "clip_grad_norm=null",
+            "optimizer.fused=True", f"optimizer.offload_gradients={offload_grads}",
+        )  # fmt: skip
+        runs[offload_grads] = _losses(out)
+    assert len(runs[True]) == STEPS
+    torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-6, atol=0)
+
+
+def test_torchtune_stock_recipe_with_offload_optimizer(workdir, tmp_path):
+    """torchtune's own lora_finetune_single_device trains the demo QLoRA model with our optimizer named on the CLI."""
+    out = tmp_path / "stock"
+    _tune_run(
+        "lora_finetune_single_device", "qlora", workdir, out,
+        "optimizer._component_=offload_plugin.CPUOffloadOptimizer", "optimizer.offload_gradients=False",
+        "clip_grad_norm=null",
+    )  # fmt: skip
+    losses = _losses(out)
+    assert len(losses) == STEPS
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, losses
+
+
+def test_copied_recipe_runs_from_another_directory(workdir, tmp_path):
+    """A recipe copied under another name into an empty directory runs from there unchanged."""
+    shutil.copy(REPO / "recipes" / "full_finetune_single_device.py", tmp_path / "my_offload_recipe.py")
+    out = tmp_path / "copied"
+    _tune_run("my_offload_recipe.py", "full", workdir, out, "epochs=1", cwd=tmp_path)
+    assert len(_losses(out)) == STEPS
+    assert (out / "epoch_0" / "model-00001-of-00001.bin").is_file()
+
+
+def test_demo_prepare_is_deterministic(workdir, tmp_path):
+    """`python -m offload_plugin.demo prepare` writes the same tokenizer, data and checkpoint bytes every time."""
+    root, env = workdir
+    _run([sys.executable, "-m", "offload_plugin.demo", "prepare", "--output-dir", str(tmp_path)], env, tmp_path)
+    for name in ("tokenizer.model", "alpaca_tiny.json", "model/model.pt"):
+        digests = {hashlib.sha256((d / name).read_bytes()).hexdigest() for d in (tmp_path, root / "demo")}
+        assert len(digests) == 1, f"{name} differs between two prepare runs"
