@@ -1,0 +1,478 @@
+"""Train one random-init torchtune model with each optimizer; compare step time and memory.
+
+Every optimizer trains the same model (same seed, bf16, built on the device) on the same
+random tokens with torchtune's chunked cross-entropy, in torchtune's order: forward and
+backward per micro-batch (loss summed over tokens), scale the gradients by 1/num_tokens,
+optionally clip, ``optimizer.step()``, ``zero_grad(set_to_none=True)``. Each optimizer runs
+in a fresh subprocess (this script with ``--single NAME``), so peak GPU memory, host memory
+and CUDA state do not leak between runs; a child that fails records its error and the run
+goes on.
+
+    # on the GPU machine, from the repository root
+    python bench/bench_train.py --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048
+    python bench/bench_train.py --model llama3_1_8b --job full --tokens-per-step 16384 \\
+        --seq-len 2048 --grad-accum 4 --activation-checkpointing --measure-host-update
+    # smoke test on a CPU machine (torchao and bitsandbytes are skipped there)
+    python bench/bench_train.py --tiny --device cpu --job full --tokens-per-step 512 \\
+        --seq-len 128 --optimizers gpu_adamw,offload,offload_grads --steps 3 --warmup 1
+
+Prints a markdown table and writes JSON (default ``bench/results/<date>-<model>-<job>-<tokens>.json``);
+``python bench/report.py`` turns every JSON there into one markdown section. Also measures
+torch's fused CPU AdamW on flat fp32 tensors (capped at ``--ref-numel-cap`` elements) as the
+host-update speed to compare with. To add an optimizer, add one line to ``OPTIMIZERS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # offload_plugin, whether installed or not
+
+LR = 1e-5
+GIB = 2**30
+MARKER = "BENCH_RESULT "
+BUILDERS = {  # (model, job) -> torchtune builder
+    ("llama3_2_1b", "full"): "torchtune.models.llama3_2.llama3_2_1b",
+    ("llama3_2_1b", "qlora"): "torchtune.models.llama3_2.qlora_llama3_2_1b",
+    ("llama3_1_8b", "full"): "torchtune.models.llama3_1.llama3_1_8b",
+    ("llama3_1_8b", "qlora"): "torchtune.models.llama3_1.qlora_llama3_1_8b",
+}
+LORA_KWARGS = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
+                   apply_lora_to_mlp=True, lora_rank=8, lora_alpha=16)
+TINY = dict(vocab_size=512, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128,
+            intermediate_dim=256)  # kv dims = 128 so every NF4 linear is a multiple of 16384
+
+
+# ----------------------------------------------------------------------------- optimizers
+class Skip(Exception):
+    """An optimizer that cannot run here (missing package, no CUDA): not a failure."""
+
+
+def _ours(model, trainable, args, **kw):
+    from offload_plugin import CPUOffloadOptimizer
+
+    _check_host_memory(trainable, args, **kw)
+    # model.parameters(), frozen NF4 weights included, as torchtune's recipes pass them.
+    return CPUOffloadOptimizer(model.parameters(), lr=LR, fused=True, **kw)
+
+
+def _torchao(model, trainable, args):
+    if args.device != "cuda":
+        raise Skip("torchao's CPUOffloadOptimizer supports CUDA/XPU only")
+    from torchao.optim import CPUOffloadOptimizer as AOOffload
+
+    # torchao cannot take frozen params. For full FT offload gradients, as FACTS.md's baseline.
+    return AOOffload(trainable, torch.optim.AdamW, offload_gradients=args.job == "full",
+                     lr=LR, fused=True)
+
+
+def _bnb(model, trainable, args):
+    if args.device != "cuda":
+        raise Skip("bitsandbytes paged optimizers need CUDA")
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise Skip(f"bitsandbytes not importable ({err})") from None
+    return bnb.optim.PagedAdamW8bit(trainable, lr=LR)
+
+
+# name -> factory(model, trainable_params, args). One line per mode.
+OPTIMIZERS = {
+    "gpu_adamw": lambda m, t, a: torch.optim.AdamW(t, lr=LR, fused=True),
+    "offload": lambda m, t, a: _ours(m, t, a),
+    "offload_grads": lambda m, t, a: _ours(m, t, a, offload_gradients=True),
+    "offload_nomaster": lambda m, t, a: _ours(m, t, a, master_weights=False),
+    "offload_grads_nomaster": lambda m, t, a: _ours(m, t, a, offload_gradients=True,
+                                                    master_weights=False),
+    "torchao": _torchao,
+    "bnb_paged8bit": _bnb,
+}
+DEFAULT_OPTIMIZERS = "gpu_adamw,offload,offload_grads,torchao,bnb_paged8bit"
+
+
+def skip_reason(name, args):
+    """Checked in the parent, so that no child is started for an optimizer that cannot run."""
+    if name in ("torchao", "bnb_paged8bit") and args.device != "cuda":
+        return f"{name} needs CUDA"
+    if name == "bnb_paged8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        return "bitsandbytes not installed"
+    return None
+
+
+def _check_host_memory(trainable, args, offload_gradients=False, master_weights=True):
+    """Fail fast instead of meeting the OOM killer after minutes of pinning."""
+    need = 0
+    for p in trainable:
+        low = p.dtype in (torch.bfloat16, torch.float16)
+        m = 4 if master_weights and low else p.element_size()
+        # master + grad + stage (if master differs) + AdamW exp_avg/exp_avg_sq in master dtype
+        per = m + p.element_size() + (p.element_size() if m != p.element_size() else 0) + 2 * m
+        if offload_gradients and args.grad_accum > 1:
+            per += p.element_size()  # host buffer for the incoming micro-batch gradient
+        need += per * p.numel()
+    avail = _mem_available()
+    if avail is not None and need > 0.95 * avail:
+        raise MemoryError(f"needs ~{need / GIB:.0f} GiB host memory, "
+                          f"{avail / GIB:.0f} GiB available")
+
+
+def _mem_available():
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+
+
+# ----------------------------------------------------------------------------- child
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def build_model(args):
+    from torchtune import training
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    torch.manual_seed(args.seed)
+    with training.set_default_dtype(torch.bfloat16), torch.device(args.device):
+        if args.tiny:
+            from torchtune.models.llama3_2._component_builders import llama3_2, lora_llama3_2
+
+            if args.job == "qlora":
+                model = lora_llama3_2(**LORA_KWARGS, quantize_base=True,
+                                      max_seq_len=args.seq_len, **TINY)
+            else:
+                model = llama3_2(max_seq_len=args.seq_len, **TINY)
+        else:
+            module, _, name = BUILDERS[(args.model, args.job)].rpartition(".")
+            builder = getattr(importlib.import_module(module), name)
+            model = builder(**LORA_KWARGS) if args.job == "qlora" else builder()
+    if args.job == "qlora":
+        set_trainable_params(model, get_adapter_params(model))
+    if args.activation_checkpointing:
+        training.set_activation_checkpointing(
+            model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    return model
+
+
+def run_single(args, name):
+    """Train with one optimizer in this process; returns the result dict."""
+    from torchtune import training
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    dev = args.device
+    res = {"optimizer": name, "threads": torch.get_num_threads(), "notes": []}
+    if dev == "cuda":
+        res["device_name"] = torch.cuda.get_device_name()
+    model = build_model(args)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    res["trainable_params"] = sum(p.numel() for p in trainable)
+    sync(dev)
+    if dev == "cuda":
+        res["model_gpu_gib"] = torch.cuda.memory_allocated() / GIB
+    loss_fn = CEWithChunkedOutputLoss()
+    model.set_num_output_chunks(loss_fn.num_output_chunks)
+
+    vocab = model.tok_embeddings.num_embeddings
+    mb = args.tokens_per_step // (args.seq_len * args.grad_accum)
+    gen = torch.Generator().manual_seed(args.seed)
+    batches = [torch.randint(0, vocab, (mb, args.seq_len + 1), generator=gen).to(dev)
+               for _ in range(args.grad_accum)]  # the same micro-batches every step
+
+    try:
+        t0 = time.perf_counter()
+        opt = OPTIMIZERS[name](model, trainable, args)
+        sync(dev)
+        res["setup_s"] = time.perf_counter() - t0
+        is_ours = hasattr(opt, "host_memory_bytes")
+        if name == "torchao":  # it copies grads to the host inside backward's hooks
+            res["notes"].append("grads copied to host during backward: scale/clip miss them"
+                                + (", only the last micro-batch's grad is used"
+                                   if args.job == "full" and args.grad_accum > 1 else ""))
+
+        def forward_backward():
+            total = torch.zeros((), device=dev)
+            for tokens in batches:
+                inputs, labels = tokens[:, :-1], tokens[:, 1:]
+                logits = model(inputs)
+                loss = loss_fn(logits, labels) * labels.numel()  # summed over tokens
+                del logits
+                loss.backward()
+                total += loss.detach()
+            return total
+
+        def scale_clip():
+            n = mb * args.seq_len * args.grad_accum
+            if is_ours:
+                opt.scale_grads(1.0 / n)
+                if args.clip_grad_norm:
+                    opt.clip_grad_norm_(args.clip_grad_norm)
+            else:
+                training.scale_grads(model, torch.tensor(1.0 / n))
+                if args.clip_grad_norm:
+                    torch.nn.utils.clip_grad_norm_(trainable, args.clip_grad_norm)
+
+        times, losses = [], []
+        for step in range(args.steps):
+            sync(dev)
+            t0 = time.perf_counter()
+            total = forward_backward()
+            scale_clip()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(dev)
+            times.append(time.perf_counter() - t0)
+            losses.append(total.item() / args.tokens_per_step)
+            print(f"[{name}] step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
+                  file=sys.stderr, flush=True)
+        timed = times[args.warmup:]
+        res.update(step_times=times, losses=losses, step_s=sum(timed) / len(timed))
+        res["tokens_per_s"] = args.tokens_per_step / res["step_s"]
+
+        if args.measure_host_update and is_ours:
+            # The optimizer step alone: gradients in place, nothing else queued on the GPU.
+            forward_backward()
+            scale_clip()
+            sync(dev)
+            upd = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                opt.step()
+                sync(dev)
+                upd.append(time.perf_counter() - t0)
+            opt.zero_grad(set_to_none=True)
+            res["host_update_s"] = min(upd)
+            res["host_update_gparams_s"] = res["trainable_params"] / min(upd) / 1e9
+        if is_ours:
+            res["opt_host_gib"] = opt.host_memory_bytes() / GIB
+    except Skip:
+        raise
+    except BaseException as err:  # OOM and friends: record and report, don't crash the run
+        msg = str(err).strip().splitlines()
+        res["error"] = f"{type(err).__name__}: {msg[0][:300] if msg else ''}"
+    finally:
+        if dev == "cuda":
+            res["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+            res["reserved_gpu_gib"] = torch.cuda.max_memory_reserved() / GIB
+        res["host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+    return res
+
+
+def child_main(args):
+    try:
+        res = run_single(args, args.single)
+    except Skip as err:
+        res = {"optimizer": args.single, "skipped": str(err)}
+    except BaseException as err:  # failed before the optimizer (model build, imports)
+        msg = str(err).strip().splitlines()
+        res = {"optimizer": args.single,
+               "error": f"{type(err).__name__}: {msg[0][:300] if msg else ''}"}
+    print(MARKER + json.dumps(res), flush=True)
+
+
+# ----------------------------------------------------------------------------- parent
+def run_child(name, args):
+    """Run this script with --single NAME; echo its output, return its result line."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--single", name]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer = threading.Timer(args.child_timeout, proc.kill)
+    timer.start()
+    tail, result = collections.deque(maxlen=5), None
+    for line in proc.stdout:
+        if MARKER in line:
+            result = json.loads(line.split(MARKER, 1)[1])
+        else:
+            sys.stderr.write(f"  | {line}")
+            if line.strip():
+                tail.append(line.strip())
+    rc = proc.wait()
+    timer.cancel()
+    if result is None:
+        why = {-9: "killed (SIGKILL: host out of memory, or --child-timeout)"}.get(rc, "")
+        result = {"optimizer": name,
+                  "error": f"child exited with {rc} {why}: {' / '.join(tail)[-300:]}"}
+    return result
+
+
+def cpu_adamw_reference(numel, cap):
+    """torch's fused CPU AdamW on flat fp32 tensors: params/s with this process's threads."""
+    n = min(numel, cap)
+    p = torch.zeros(n, dtype=torch.float32, requires_grad=True)
+    p.grad = torch.randn(n) * 1e-3
+    opt = torch.optim.AdamW([p], lr=LR, fused=True)
+    opt.step()  # allocates the state
+    t0 = time.perf_counter()
+    for _ in range(3):
+        opt.step()
+    rate = 3 * n / (time.perf_counter() - t0)
+    return {"numel": n, "threads": torch.get_num_threads(), "gparams_s": rate / 1e9,
+            "projected_s_full_size": numel / rate}
+
+
+def _fmt(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def markdown_table(results):
+    """One row per optimizer; ratios are against gpu_adamw when it ran."""
+    base = next((r for r in results if r["optimizer"] == "gpu_adamw" and "step_s" in r), {})
+    rows = ["| optimizer | step s | tokens/s | peak GPU GiB | reserved GiB | host RSS GiB "
+            "| opt host GiB | setup s | host update s | step / gpu_adamw | peak / gpu_adamw |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "step_s" not in r:
+            why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r.get('error')}"
+            rows.append(f"| {r['optimizer']} | {why} |" + " |" * 9)
+            continue
+        ratio = lambda k: (f"{r[k] / base[k]:.2f}x"  # noqa: E731
+                           if base.get(k) and r.get(k) is not None else "-")
+        rows.append(
+            f"| {r['optimizer']} | {_fmt(r['step_s'])} | {r['tokens_per_s']:,.0f} "
+            f"| {_fmt(r.get('peak_gpu_gib'), 1)} | {_fmt(r.get('reserved_gpu_gib'), 1)} "
+            f"| {_fmt(r.get('host_rss_gib'), 1)} | {_fmt(r.get('opt_host_gib'), 1)} "
+            f"| {_fmt(r.get('setup_s'), 1)} | {_fmt(r.get('host_update_s'))} "
+            f"| {ratio('step_s')} | {ratio('peak_gpu_gib')} |")
+    return "\n".join(rows)
+
+
+def reference_line(ref, trainable):
+    return (f"Host reference: torch fused AdamW on CPU, fp32, {ref['threads']} thread(s), "
+            f"{ref['numel']:,} elements: {ref['gparams_s']:.2f} G params/s, i.e. "
+            f"{ref['projected_s_full_size']:.3f} s for the {trainable:,} trainable params.")
+
+
+def describe(run):
+    """A one-line heading for a results JSON."""
+    a = run["args"]
+    model = "tiny" if a["tiny"] else a["model"]
+    extra = (f", grad accum {a['grad_accum']}" if a["grad_accum"] > 1 else "") + (
+        ", activation checkpointing" if a["activation_checkpointing"] else "")
+    return (f"{model} {a['job']}, {a['tokens_per_step']} tokens/step, seq {a['seq_len']}"
+            f"{extra} ({run.get('gpu') or a['device']}, {run['date']})")
+
+
+def _version(pkg):
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def parent_main(args):
+    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown:
+        sys.exit(f"unknown optimizers {unknown}; known: {', '.join(OPTIMIZERS)}")
+    date = datetime.date.today().isoformat()
+    model = "tiny" if args.tiny else args.model
+    out = args.out or REPO / "bench" / "results" / (
+        f"{date}-{model}-{args.job}-{args.tokens_per_step}"
+        + (f"-ga{args.grad_accum}" if args.grad_accum > 1 else "")
+        + ("-ac" if args.activation_checkpointing else "") + ".json")
+
+    results = []
+    for name in names:
+        print(f"== {name}", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        reason = skip_reason(name, args)
+        res = {"optimizer": name, "skipped": reason} if reason else run_child(name, args)
+        res["wall_s"] = time.perf_counter() - t0
+        if "skipped" in res:
+            print(f"== {name}: skipped ({res['skipped']})", file=sys.stderr)
+        results.append(res)
+
+    trainable = next((r["trainable_params"] for r in results if r.get("trainable_params")), 0)
+    ref = cpu_adamw_reference(trainable, args.ref_numel_cap) if trainable else None
+    run = {
+        "date": date,
+        "gpu": next((r["device_name"] for r in results if r.get("device_name")), None),
+        "versions": {p: _version(p) for p in
+                     ("torch", "torchtune", "torchao", "bitsandbytes", "offload-plugin")},
+        "git_commit": _git_commit(),
+        "host_cpus": os.cpu_count(),
+        "args": {k: v for k, v in vars(args).items() if k not in ("single", "out")},
+        "trainable_params": trainable,
+        "cpu_adamw_reference": ref,
+        "results": results,
+    }
+    table = markdown_table(results)
+    print(f"\n### {describe(run)}\n\n{table}")
+    if ref:
+        print("\n" + reference_line(ref, trainable))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(run, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted({m for m, _ in BUILDERS}), default="llama3_2_1b")
+    p.add_argument("--job", choices=["full", "qlora"], default="full")
+    p.add_argument("--tiny", action="store_true",
+                   help="2-layer 128-dim Llama-3.2-shaped model, vocab 512 (smoke tests)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tokens-per-step", type=int, required=True)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--grad-accum", type=int, default=1)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
+    p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
+                   help=f"comma-separated, from: {', '.join(OPTIMIZERS)}")
+    p.add_argument("--clip-grad-norm", type=float, default=None)
+    p.add_argument("--measure-host-update", action="store_true",
+                   help="also time our optimizer's step() alone (gradients in place)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process (default: torch's; 1 with --device cpu, "
+                        "where a busy core makes 2 threads crawl)")
+    p.add_argument("--ref-numel-cap", type=int, default=2**28,
+                   help="max elements for the standalone CPU AdamW figure (16 B each)")
+    p.add_argument("--child-timeout", type=float, default=1800, help="seconds per optimizer")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: child mode
+    args = p.parse_args(argv)
+    if args.tokens_per_step % (args.seq_len * args.grad_accum):
+        p.error("--tokens-per-step must be a multiple of --seq-len x --grad-accum")
+    if not 0 <= args.warmup < args.steps:
+        p.error("need 0 <= --warmup < --steps")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but CUDA is not available (use --device cpu)")
+    if args.threads is None and args.device == "cpu":
+        args.threads = 1
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
+if __name__ == "__main__":
+    _args = parse_args()
+    child_main(_args) if _args.single else parent_main(_args)

@@ -1,0 +1,52 @@
+"""Turn every bench/results/*.json written by bench_train.py into one markdown section.
+
+    python bench/report.py                # prints markdown for the README
+    python bench/report.py --results DIR  # another folder
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import describe, markdown_table, reference_line  # noqa: E402
+
+ORDER = {"tiny": 0, "llama3_2_1b": 1, "llama3_1_8b": 2}
+
+
+def sort_key(run):
+    a = run["args"]
+    model = "tiny" if a["tiny"] else a["model"]
+    return (ORDER.get(model, 9), a["job"], a["tokens_per_step"], a["grad_accum"], run["date"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    runs = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
+    print("## Benchmarks\n")
+    print("Random-init torchtune models in bf16, random tokens, torchtune's chunked "
+          "cross-entropy; step time is the synchronized mean after warm-up steps, peak GPU "
+          "memory is `torch.cuda.max_memory_allocated`, host RSS is the process peak. "
+          "Produced by `bench/bench_train.py`.\n")
+    if not runs:
+        print(f"(no results in {args.results})")
+    for run in sorted(runs, key=sort_key):
+        v = run["versions"]
+        print(f"### {describe(run)}\n")
+        print(markdown_table(run["results"]) + "\n")
+        ref = run.get("cpu_adamw_reference")
+        if ref:
+            print(reference_line(ref, run.get("trainable_params", ref["numel"])) + "\n")
+        notes = [f"{r['optimizer']}: {n}" for r in run["results"] for n in r.get("notes", [])]
+        if notes:
+            print("Notes: " + "; ".join(notes) + "\n")
+        print(f"<sub>torch {v.get('torch')}, torchtune {v.get('torchtune')}, torchao "
+              f"{v.get('torchao')}, bitsandbytes {v.get('bitsandbytes')}; "
+              f"commit {(run.get('git_commit') or '?')[:10]}</sub>\n")
+
+
+if __name__ == "__main__":
+    main()
