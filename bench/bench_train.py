@@ -128,8 +128,9 @@ def _check_host_memory(trainable, args, offload_gradients=False, master_weights=
         need += per * p.numel()
     avail = _mem_available()
     if avail is not None and need > 0.95 * avail:
-        raise MemoryError(f"needs ~{need / GIB:.0f} GiB host memory, "
-                          f"{avail / GIB:.0f} GiB available")
+        # Only a warning: some VMs report little MemAvailable until memory is touched.
+        print(f"warning: needs ~{need / GIB:.0f} GiB host memory, "
+              f"{avail / GIB:.0f} GiB reported available", file=sys.stderr)
 
 
 def _mem_available():
@@ -209,9 +210,16 @@ def run_single(args, name):
                                 + (", only the last micro-batch's grad is used"
                                    if args.job == "full" and args.grad_accum > 1 else ""))
 
-        def forward_backward():
+        n_tokens = mb * args.seq_len * args.grad_accum
+        # Ours with offloaded gradients and no clipping: updates start during the last
+        # backward (exact; the optimizer applies 1/num_tokens itself), as our recipes do.
+        overlap = is_ours and opt.offload_gradients and not args.clip_grad_norm
+
+        def forward_backward(overlap=overlap):
             total = torch.zeros((), device=dev)
-            for tokens in batches:
+            for i, tokens in enumerate(batches):
+                if overlap and i == len(batches) - 1:
+                    opt.overlap_next_step(grad_scale=1.0 / n_tokens)
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]
                 logits = model(inputs)
                 loss = loss_fn(logits, labels) * labels.numel()  # summed over tokens
@@ -221,9 +229,10 @@ def run_single(args, name):
             return total
 
         def scale_clip():
-            n = mb * args.seq_len * args.grad_accum
+            n = n_tokens
             if is_ours:
-                opt.scale_grads(1.0 / n)
+                if not opt.overlapping:
+                    opt.scale_grads(1.0 / n)
                 if args.clip_grad_norm:
                     opt.clip_grad_norm_(args.clip_grad_norm)
             else:
@@ -250,7 +259,7 @@ def run_single(args, name):
 
         if args.measure_host_update and is_ours:
             # The optimizer step alone: gradients in place, nothing else queued on the GPU.
-            forward_backward()
+            forward_backward(overlap=False)
             scale_clip()
             sync(dev)
             upd = []
