@@ -47,7 +47,7 @@ def run(model, opt, sched, steps, start):
     device = next(model.parameters()).device
     losses, lrs = [], []
     for step in range(start, start + steps):
-        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(step % 2))
+        tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
         tokens = tokens.to(device)
         logits = model(tokens[:, :-1])
         loss = torch.nn.functional.cross_entropy(
@@ -79,7 +79,7 @@ def test_qlora_from_config_trains_and_resumes(device, offload_gradients):
     sched = get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=8)
     losses, lrs = run(model, opt, sched, 8, 0)
     assert lrs[0] < lrs[1] and lrs[-1] < max(lrs)
-    assert sum(losses[-3:]) < sum(losses[:3]), f"loss did not fall: {losses}"
+    assert losses[-1] < losses[0] - 1.0, f"loss did not fall on a repeated batch: {losses}"
     final = {k: v.clone() for k, v in get_adapter_params(model).items()}
 
     # Interrupted run: 4 steps, checkpoint, rebuild everything, 4 more.
