@@ -11,12 +11,18 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 from torch.optim import Optimizer
 
+from offload_plugin.checkpoint_compat import (
+    TORCHAO_MINIMAL_SIZE,
+    convert_torchao_state_dict,
+    is_torchao_state_dict,
+)
+from offload_plugin.grad_checks import NONFINITE_POLICIES, FiniteRecord, all_finite
 from offload_plugin.host_buffers import HostArena, HostSlot, build_slots
 from offload_plugin.host_update import update_slots
 from offload_plugin.host_worker import HostWorker
 from offload_plugin.transfer import Transfers
 
-__all__ = ["CPUOffloadOptimizer"]
+__all__ = ["CPUOffloadOptimizer", "convert_torchao_state_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +30,11 @@ log = logging.getLogger(__name__)
 _UNSUPPORTED = {
     "LBFGS": "it re-evaluates the model through a closure inside step()",
     "SparseAdam": "it needs sparse gradients, which are not offloaded",
+}
+# Group keys that torch added over releases; a state dict from an older torch may lack them.
+_KEYS_TORCH_MAY_LACK = {
+    "foreach", "fused", "capturable", "differentiable", "maximize",
+    "decoupled_weight_decay", "param_names",
 }
 # State-dict key of the fp32 master weight, saved so that a resume continues exactly.
 MASTER_KEY = "master_weight"
@@ -121,6 +132,9 @@ class CPUOffloadOptimizer(Optimizer):
             update those, so that small updates are not rounded away. Default: ``True``.
         pin_memory (bool): page-lock host buffers for fast asynchronous copies (CUDA only).
             Default: ``True``.
+        nonfinite_grads (str): what a step with an inf or NaN gradient does: ``"skip"``
+            (update nothing, warn) or ``"raise"`` (FloatingPointError). Master weights and
+            optimizer state never take a non-finite gradient. Default: ``"skip"``.
         **optimizer_kwargs: hyperparameters for ``optimizer_cls`` (``lr``, ``betas``,
             ``weight_decay``, ``fused``, ...).
 
@@ -144,8 +158,15 @@ class CPUOffloadOptimizer(Optimizer):
         offload_gradients: bool = False,
         master_weights: bool = True,
         pin_memory: bool = True,
+        nonfinite_grads: str = "skip",
         **optimizer_kwargs: Any,
     ) -> None:
+        if nonfinite_grads not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite_grads must be one of {NONFINITE_POLICIES}, got {nonfinite_grads!r}"
+            )
+        self.nonfinite_grads = nonfinite_grads
+        self._finite = FiniteRecord()
         self.optimizer_cls = _resolve_optimizer_cls(optimizer_cls)
         self.offload_gradients = offload_gradients
         self.master_weights = master_weights
@@ -329,8 +350,18 @@ class CPUOffloadOptimizer(Optimizer):
         Equivalent to torchtune's ``training.scale_grads(model, factor)``, which cannot
         reach offloaded gradients (they are ``None`` on the model).
         """
-        for g in self._grads_in_place("scale_grads()"):
-            g *= factor.to(g.device) if isinstance(factor, torch.Tensor) else factor
+        grads = self._grads_in_place("scale_grads()")
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for g in grads:
+            by_device.setdefault(g.device, []).append(g)
+        found = torch.zeros(1)
+        for device, group in by_device.items():
+            # Multiplies like `g *= factor` (bit for bit) and flags inf/NaN in the same pass.
+            scale = torch.as_tensor(factor, dtype=torch.float32).reshape(1).to(device)
+            found_here = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, scale)
+            found = found + found_here.cpu()
+        self._finite.record(found, grads)
         self._scaled_since_zero_grad = True
 
     @torch.no_grad()
@@ -352,6 +383,7 @@ class CPUOffloadOptimizer(Optimizer):
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
         for g in grads:
             g.mul_(coef.to(g.device))
+        self._finite.record((~torch.isfinite(total)).float(), grads)
         self._scaled_since_zero_grad = True
         return total
 
@@ -359,6 +391,7 @@ class CPUOffloadOptimizer(Optimizer):
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
         self._worker.drain()
         super().zero_grad(set_to_none)
+        self._finite.clear()
         for slot in self._slot_list:
             # Let in-flight copies land before their buffers count as free again.
             Transfers.wait(slot.grad_event)
@@ -390,14 +423,14 @@ class CPUOffloadOptimizer(Optimizer):
                 "overlap_next_step() needs CPUOffloadOptimizer(offload_gradients=True)."
             )
         self._scaled_since_zero_grad = True
-        self._overlap = self._prepare_updates(grad_scale)
+        self._overlap = self._prepare_updates(grad_scale, check_each=True)
 
     @property
     def overlapping(self) -> bool:
         """True between ``overlap_next_step()`` and the ``step()`` that completes it."""
         return self._overlap is not None
 
-    def _prepare_updates(self, grad_scale: Optional[float]) -> dict:
+    def _prepare_updates(self, grad_scale: Optional[float], check_each: bool) -> dict:
         """Sync hyperparameters and make the host buffers safe to overwrite."""
         for outer, inner in zip(self.param_groups, self._host_optimizer.param_groups):
             # Schedulers write lr/betas/momentum into our groups; the host update reads them.
@@ -405,7 +438,10 @@ class CPUOffloadOptimizer(Optimizer):
         # The previous step's weight copies read master/weight_stage: let them finish.
         Transfers.wait(self._last_push)
         groups = {m: g for g in self._host_optimizer.param_groups for m in g["params"]}
-        return {"groups": groups, "grad_scale": grad_scale, "submitted": set()}
+        return {
+            "groups": groups, "grad_scale": grad_scale, "submitted": set(),
+            "check_each": check_each, "nonfinite": [],
+        }
 
     def _submit_update(self, slot: HostSlot) -> None:
         plan = self._overlap
@@ -413,6 +449,11 @@ class CPUOffloadOptimizer(Optimizer):
 
         def update() -> None:
             self._settle(slot)
+            # Updates that overlap backward cannot wait for a verdict on all gradients:
+            # each checks its own before touching the master weight or the state.
+            if plan["check_each"] and not all_finite([slot.grad]):
+                plan["nonfinite"].append(slot)
+                return
             update_slots(self._host_optimizer, plan["groups"], [slot], plan["grad_scale"])
             self._last_push = self._transfers.to_device(
                 [(slot.weight_source(), slot.param.detach())]
@@ -425,36 +466,75 @@ class CPUOffloadOptimizer(Optimizer):
         """Update the host copies with ``optimizer_cls`` and copy the weights to the device.
 
         Parameters are processed one by one on a background thread: the host update of
-        one overlaps the copies of the others in both directions.
+        one overlaps the copies of the others in both directions. A step whose gradients
+        hold an inf or NaN updates nothing (``nonfinite_grads="skip"``, with a warning)
+        or raises (``"raise"``).
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._overlap is None:
-            self._warn_if_unscaled()
-            if not self.offload_gradients:
-                # The recipe has finished with .grad (scaling, clipping): copy it now.
-                for slot in self._slots():
-                    if slot.param.grad is not None:
-                        _check_dense(slot.param.grad)
-                        slot.grad_event = self._transfers.to_host([(slot.param.grad, slot.grad)])
-                        slot.has_grad = True
-            self._overlap = self._prepare_updates(grad_scale=None)
         try:
+            if self._overlap is None:
+                self._warn_if_unscaled()
+                if not self._all_grads_finite():
+                    self._nonfinite_step(updated=0, skipped=sum(1 for _ in self._ready_grads()))
+                    return loss
+                if not self.offload_gradients:
+                    # The recipe has finished with .grad (scaling, clipping): copy it now.
+                    for slot in self._slots():
+                        if slot.param.grad is not None:
+                            slot.grad_event = self._transfers.to_host([(slot.param.grad, slot.grad)])
+                            slot.has_grad = True
+                self._overlap = self._prepare_updates(grad_scale=None, check_each=False)
+            plan = self._overlap
             for slot in self._slots():
                 if self.offload_gradients and slot.param.grad is not None:
                     self._offload_grad(slot.param)  # set by hand; the hook submits it
-                elif slot.has_grad and slot.master not in self._overlap["submitted"]:
+                elif slot.has_grad and slot.master not in plan["submitted"]:
                     self._submit_update(slot)
             self._worker.drain()
+            if plan["nonfinite"]:
+                self._nonfinite_step(
+                    updated=len(plan["submitted"]) - len(plan["nonfinite"]),
+                    skipped=len(plan["nonfinite"]),
+                )
         finally:
             self._overlap = None
             if not self.offload_gradients:
                 for slot in self._slot_list:
                     slot.has_grad = False
-        self._transfers.order_compute_after(self._last_push)
+            self._transfers.order_compute_after(self._last_push)
         return loss
+
+    def _ready_grads(self) -> list[torch.Tensor]:
+        """The gradients the next update would use (device .grad, or settled host copies)."""
+        if self.offload_gradients:
+            return [s.grad for s in self._settled_host_grads()]
+        grads = [s.param.grad for s in self._slots() if s.param.grad is not None]
+        for g in grads:
+            _check_dense(g)
+        return grads
+
+    def _all_grads_finite(self) -> bool:
+        grads = self._ready_grads()
+        known = self._finite.finite(grads)  # from scale_grads/clip_grad_norm_, if current
+        return all_finite(grads) if known is None else known
+
+    def _nonfinite_step(self, updated: int, skipped: int) -> None:
+        what = (
+            f"{skipped} parameters had an inf or NaN gradient; their master weights and "
+            "optimizer state are unchanged"
+            + (f", while {updated} parameters whose gradients arrived earlier during "
+               "backward (overlap_next_step) were updated" if updated else
+               ": the step was skipped")
+        )
+        if self.nonfinite_grads == "raise":
+            raise FloatingPointError(
+                f"CPUOffloadOptimizer: {what}. Lower the lr, clip gradients, or check the "
+                "data; nonfinite_grads='skip' skips such steps instead."
+            )
+        log.warning("CPUOffloadOptimizer: %s.", what)
 
     def _warn_if_unscaled(self) -> None:
         if self.offload_gradients and not self._scaled_since_zero_grad and not self._warned_unscaled:
@@ -482,19 +562,38 @@ class CPUOffloadOptimizer(Optimizer):
                 sd["state"].setdefault(index, {})[MASTER_KEY] = slot.master
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(
+        self, state_dict: dict[str, Any], torchao_minimal_size: int = TORCHAO_MINIMAL_SIZE
+    ) -> None:
         """Load a state dict from this class or any torch optimizer over the same parameters.
 
-        Everything is checked before anything changes; state lands in host memory.
+        A checkpoint of torchao's CPUOffloadOptimizer (``{"offloaded": ..., "on-device":
+        ...}``) is converted first; give ``torchao_minimal_size`` if it was not built with
+        torchao's default. Everything is checked before anything changes; state lands in
+        host memory.
 
         Raises:
             ValueError: the state dict does not match this optimizer's groups, parameter
-                counts or parameter shapes; the message says what differs.
+                counts, parameter shapes or optimizer class; the message says what differs.
         """
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
-        self._validate_state_dict(state_dict)
+        from_torchao = is_torchao_state_dict(state_dict)
+        if from_torchao:
+            state_dict = convert_torchao_state_dict(
+                state_dict, self.param_groups, torchao_minimal_size
+            )
+            for saved, group in zip(state_dict["param_groups"], self.param_groups):
+                for key, value in group.items():  # a group torchao held no tensor of
+                    if key != "params":
+                        saved.setdefault(key, value)
+        try:
+            self._validate_state_dict(state_dict)
+        except ValueError as err:
+            if from_torchao:
+                raise ValueError(f"cannot load this torchao CPUOffloadOptimizer checkpoint: {err}") from None
+            raise
 
         slots = list(self._slots())
         masters, state = {}, {}
@@ -530,8 +629,7 @@ class CPUOffloadOptimizer(Optimizer):
         if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
             raise ValueError(
                 "not an optimizer state dict: expected the keys 'state' and 'param_groups' "
-                f"(torch's layout), got {sorted(map(str, state_dict))[:8]}. A checkpoint of "
-                "torchao's CPUOffloadOptimizer must be converted first."
+                f"(torch's layout), got {sorted(map(str, state_dict))[:8]}."
             )
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
@@ -539,7 +637,16 @@ class CPUOffloadOptimizer(Optimizer):
                 f"state dict has {len(saved_groups)} parameter groups, this optimizer has "
                 f"{len(self.param_groups)}; build the optimizer over the same groups."
             )
+        needed = set(self.defaults) - _KEYS_TORCH_MAY_LACK
         for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            missing = needed - saved.keys()
+            if missing:
+                raise ValueError(
+                    f"state dict was written by another optimizer class: parameter group {i} "
+                    f"lacks {sorted(missing)}, which {self.optimizer_cls.__name__} needs (it "
+                    f"has {sorted(k for k in saved if k != 'params')}). Load it into the class "
+                    "that wrote it, or start this optimizer fresh."
+                )
             if len(saved["params"]) != len(group["params"]):
                 raise ValueError(
                     f"parameter group {i}: state dict has {len(saved['params'])} parameters, "

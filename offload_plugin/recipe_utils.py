@@ -1,13 +1,25 @@
 """Glue between the single-device recipes and whichever optimizer the config builds.
 
+Gradient scaling and clipping:
 torchtune's recipes scale the gradients by ``1/num_tokens`` and clip them between
 ``backward()`` and ``optimizer.step()``. With ``CPUOffloadOptimizer(offload_gradients=True)``
 the gradients have already left the model by then, so the scaling and the clipping must
 go through the optimizer, which sees them wherever they are. These helpers route the call
 so a recipe stays correct with any optimizer.
+
+Crash-safe checkpoints:
+torchtune 0.6.1's checkpointers ``torch.save`` straight into ``output_dir/epoch_N/`` and
+overwrite ``output_dir/recipe_state/recipe_state.pt`` in place, so a kill while saving
+can truncate the only recipe state or leave a half-written ``epoch_N`` that a LoRA resume
+picks as the latest adapter. ``save_checkpoint_atomically`` and ``recover_checkpoints``
+make a save all-or-nothing while keeping torchtune's on-disk layout.
 """
 
-from typing import Dict
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Dict, List, Union
 
 import torch
 from torch import nn
@@ -15,7 +27,14 @@ from torchtune import training
 
 from offload_plugin.optimizer import CPUOffloadOptimizer
 
-__all__ = ["overlap_last_backward", "scale_grads", "clip_grad_norm", "optimizer_metrics"]
+__all__ = [
+    "overlap_last_backward",
+    "scale_grads",
+    "clip_grad_norm",
+    "optimizer_metrics",
+    "save_checkpoint_atomically",
+    "recover_checkpoints",
+]
 
 
 def _is_offload(optimizer: torch.optim.Optimizer) -> bool:
@@ -87,3 +106,132 @@ def optimizer_metrics(optimizer: torch.optim.Optimizer) -> Dict[str, float]:
     if _is_offload(optimizer):
         return {"optimizer_host_memory_gib": optimizer.host_memory_bytes() / 1024**3}
     return {}
+
+
+# A save is staged in ``output_dir/.epoch_N.partial`` and renamed to ``.epoch_N.complete``
+# once every file is on disk: that rename is the commit point. Both names start with "."
+# so torchtune's ``^epoch_(\d+)`` search for the latest epoch never sees them.
+_PARTIAL = ".epoch_{epoch}.partial"
+_COMPLETE = ".epoch_{epoch}.complete"
+_COMPLETE_RE = re.compile(r"^\.epoch_(\d+)\.complete$")
+_PARTIAL_RE = re.compile(r"^\.epoch_(\d+)\.partial$")
+# Relative path of the file whose presence tells a resume "epoch N finished"; torchtune
+# reads it from this fixed place (``RECIPE_STATE_DIRNAME``), so it is published last.
+_RECIPE_STATE = os.path.join("recipe_state", "recipe_state.pt")
+
+
+def _fsync_path(path: Union[str, Path]) -> None:
+    # torch.save and os.replace only reach the page cache: a SIGKILL keeps them, but a
+    # power loss may not, nor keep them in order. fsync makes each step durable before
+    # the next one depends on it. Directories too, so the new names survive.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            _fsync_path(os.path.join(dirpath, name))
+        _fsync_path(dirpath)
+
+
+def _publish(staged: Path, output_dir: Path) -> None:
+    """Move every file of a committed save into ``output_dir``; idempotent, so a kill midway is finished by the next call."""
+    files = sorted(
+        os.path.relpath(os.path.join(dirpath, name), staged)
+        for dirpath, _, names in os.walk(staged)
+        for name in names
+    )
+    # Weights, adapter and configs first, the recipe state last: until it is replaced the
+    # previous recipe_state.pt still describes a complete earlier epoch, which is what a
+    # full fine-tune resume (model files named in the config) needs.
+    files.sort(key=lambda rel: rel == _RECIPE_STATE)
+    touched = set()
+    for rel in files:
+        dst = output_dir / rel
+        if rel == _RECIPE_STATE:
+            for d in touched:  # the weights' new names must be durable before the marker's
+                _fsync_path(d)
+            touched.clear()
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staged / rel, dst)  # atomic: a reader sees the old file or the new one
+        touched.update({dst.parent, output_dir})
+    for d in touched:
+        _fsync_path(d)
+    shutil.rmtree(staged)
+    _fsync_path(output_dir)
+
+
+def recover_checkpoints(output_dir: Union[str, Path]) -> List[int]:
+    """Finish or discard the saves a killed run left in ``output_dir``; call before loading a checkpoint.
+
+    A save that reached its commit point (every file staged and synced) is published, so
+    the weights, adapter and recipe state on disk are all from the same epoch; one that
+    did not is deleted, leaving the previous checkpoint as it was.
+
+    Args:
+        output_dir (Union[str, Path]): the checkpointer's ``output_dir``.
+
+    Returns:
+        List[int]: the epochs whose interrupted saves were published.
+    """
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    published = []
+    for name in sorted(os.listdir(output_dir)):
+        if _PARTIAL_RE.match(name):
+            shutil.rmtree(output_dir / name)
+    complete = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _COMPLETE_RE.match(name))]
+    for epoch, name in sorted(complete):
+        _publish(output_dir / name, output_dir)
+        published.append(epoch)
+    return published
+
+
+def save_checkpoint_atomically(checkpointer, state_dict: Dict[str, object], epoch: int, **kwargs) -> None:
+    """Run ``checkpointer.save_checkpoint`` so that a kill at any moment leaves a loadable checkpoint.
+
+    The checkpointer writes into a staging directory inside its ``output_dir``, in the
+    usual layout (``epoch_N/...``, ``recipe_state/recipe_state.pt``). The files are synced,
+    the staging directory is renamed to mark the save complete, then each file is moved
+    into place with an atomic ``os.replace``, the recipe state last. A kill before the
+    mark leaves the previous checkpoint untouched (``recover_checkpoints`` deletes the
+    staging directory); a kill after it is rolled forward by ``recover_checkpoints``.
+
+    Args:
+        checkpointer: a torchtune single-device checkpointer, e.g. ``FullModelTorchTuneCheckpointer``.
+        state_dict (Dict[str, object]): what the recipe would pass to ``save_checkpoint``.
+        epoch (int): the epoch being saved.
+        **kwargs: passed on, e.g. ``intermediate_checkpoint`` and ``adapter_only``.
+
+    Raises:
+        TypeError: if the checkpointer has no ``_output_dir`` to redirect (not a torchtune
+            single-device checkpointer); call its ``save_checkpoint`` directly instead.
+    """
+    output_dir = getattr(checkpointer, "_output_dir", None)
+    if output_dir is None:
+        raise TypeError(
+            f"{type(checkpointer).__name__} has no _output_dir to stage into: use a torchtune "
+            "FullModel*Checkpointer or call its save_checkpoint directly (not crash-safe)."
+        )
+    output_dir = Path(output_dir)
+    partial = output_dir / _PARTIAL.format(epoch=epoch)
+    complete = output_dir / _COMPLETE.format(epoch=epoch)
+    shutil.rmtree(partial, ignore_errors=True)  # from a save killed before its commit
+    partial.mkdir(parents=True)
+    # torchtune 0.6.1's checkpointers build every output path from self._output_dir at
+    # save time, so pointing it at the staging directory reproduces their exact layout
+    # without copying their code.
+    checkpointer._output_dir = partial
+    try:
+        checkpointer.save_checkpoint(state_dict, epoch=epoch, **kwargs)
+    finally:
+        checkpointer._output_dir = output_dir
+    _fsync_tree(partial)
+    os.replace(partial, complete)  # the commit point
+    _fsync_path(output_dir)
+    _publish(complete, output_dir)

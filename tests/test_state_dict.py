@@ -60,9 +60,9 @@ def _mismatches():
     def wrong_shape(sd):
         sd["state"][0]["exp_avg"] = torch.zeros(3, 3)
 
-    def not_a_state_dict(sd):
+    def not_a_state_dict(sd):  # e.g. a model state dict passed by mistake
         sd.clear()
-        sd["offloaded"] = []
+        sd["0.weight"] = torch.zeros(2)
 
     return {
         "group-count": (more_groups, "2 parameter groups"),

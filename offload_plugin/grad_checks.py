@@ -1,0 +1,54 @@
+"""Non-finite gradient detection that reuses the passes a step makes anyway.
+
+Scaling (``scale_grads``) reads every gradient; it uses torch's AMP kernel, which
+multiplies and flags non-finite values in the same pass. Clipping computes the global
+norm, which is finite only if every gradient is. Either result stays valid while the
+gradients it read are unchanged (same tensors, same version counters); only otherwise
+does ``step()`` scan the gradients itself.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["NONFINITE_POLICIES", "all_finite", "FiniteRecord"]
+
+NONFINITE_POLICIES = ("skip", "raise")
+_SCAN_CHUNK = 1 << 22  # isfinite() allocates a bool per element: scan in slices
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """True if no tensor holds an inf or a NaN (one read pass, bounded temporary memory)."""
+    for t in tensors:
+        flat = t.reshape(-1)
+        for a in range(0, flat.numel(), _SCAN_CHUNK):
+            if not bool(torch.isfinite(flat[a : a + _SCAN_CHUNK]).all()):
+                return False
+    return True
+
+
+class FiniteRecord:
+    """Remembers whether a set of gradients was finite when last read in full."""
+
+    def __init__(self) -> None:
+        self._found: Optional[torch.Tensor] = None
+        self._seen: list[tuple[torch.Tensor, int]] = []
+
+    def record(self, found_nonfinite: torch.Tensor, grads: Sequence[torch.Tensor]) -> None:
+        """``found_nonfinite`` (a tensor, nonzero if any value was inf/NaN) covers ``grads``."""
+        self._found = found_nonfinite
+        self._seen = [(g, g._version) for g in grads]
+
+    def clear(self) -> None:
+        self._found, self._seen = None, []
+
+    def finite(self, grads: Sequence[torch.Tensor]) -> Optional[bool]:
+        """The recorded answer if ``grads`` are exactly what was read, else None (unknown)."""
+        if self._found is None or len(grads) != len(self._seen):
+            return None
+        for g, (seen, version) in zip(grads, self._seen):
+            if g is not seen or g._version != version:
+                return None
+        return not bool(self._found.item())

@@ -1,0 +1,220 @@
+"""Faults lose nothing: non-finite gradients, failures in background work, bad checkpoints."""
+
+import copy
+import logging
+import traceback
+
+import pytest
+import torch
+
+import offload_plugin.grad_checks as grad_checks
+import offload_plugin.optimizer as optimizer_module
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.host_worker import HostUpdateError
+from reference_twin import assert_same_params, batch, make_model, offload, train, trainable, twins
+
+
+def _snapshot(opt):
+    """Every host tensor the optimizer owns, copied."""
+    return copy.deepcopy(opt.state_dict()), [s.master.clone() for s in opt._slot_list]
+
+
+def _assert_unchanged(opt, snap):
+    sd, masters = snap
+    now, now_masters = _snapshot(opt)
+    for a, b in zip(masters, now_masters):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for index, st in sd["state"].items():
+        for key, value in st.items():
+            torch.testing.assert_close(now["state"][index][key], value, rtol=0, atol=0)
+
+
+def _poison_next_backward(model):
+    """Make the next backward produce an inf in the first hidden layer's weight gradient."""
+    handle = None
+
+    def hook(grad):
+        handle.remove()
+        grad = grad.clone()
+        grad[0, 0] = float("inf")
+        return grad
+
+    handle = model[2].weight.register_hook(hook)
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_nonfinite_step_is_skipped_and_training_continues(offload_gradients, clip, caplog):
+    """An inf gradient skips the whole step with a warning; later steps match a run without it."""
+    ref_model, model = twins()
+    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    opt = offload(model, lr=1e-2, offload_gradients=offload_gradients)
+    train(ref_model, ref, 2, clip=clip)
+    train(model, opt, 2, clip=clip, via_optimizer=True)
+    snap = _snapshot(opt)
+    weights = [p.clone() for p in model.parameters()]
+    _poison_next_backward(model)
+    with caplog.at_level(logging.WARNING, logger="offload_plugin"):
+        train(model, opt, 1, start=2, clip=clip, via_optimizer=True)
+    assert "the step was skipped" in caplog.text
+    _assert_unchanged(opt, snap)
+    assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
+    train(ref_model, ref, 2, start=3, clip=clip)
+    train(model, opt, 2, start=3, clip=clip, via_optimizer=True)
+    assert_same_params(ref_model, model, exact=True)
+
+
+def test_nonfinite_raise_policy_changes_nothing():
+    """nonfinite_grads='raise' raises FloatingPointError before any host tensor changes."""
+    model = make_model()
+    opt = offload(model, lr=1e-2, nonfinite_grads="raise")
+    train(model, opt, 1, via_optimizer=True)
+    snap = _snapshot(opt)
+    _poison_next_backward(model)
+    with pytest.raises(FloatingPointError, match="inf or NaN"):
+        train(model, opt, 1, start=1, via_optimizer=True)
+    _assert_unchanged(opt, snap)
+
+
+def test_nonfinite_during_overlapped_updates_spares_that_parameter(caplog):
+    """With updates overlapping backward, the parameter with the inf keeps its master and state."""
+    model = make_model()
+    opt = offload(model, lr=1e-2, offload_gradients=True)
+    train(model, opt, 1, via_optimizer=True)
+    bad = model[2].weight
+    master, state = opt._slot_of[bad].master.clone(), copy.deepcopy(opt.state[bad])
+    _poison_next_backward(model)
+    opt.overlap_next_step(grad_scale=0.1)
+    x, y = batch(5, 0, "cpu")
+    with caplog.at_level(logging.WARNING, logger="offload_plugin"):
+        ((model(x) - y) ** 2).sum().backward()
+        opt.step()
+    assert "1 parameters had an inf or NaN gradient" in caplog.text
+    torch.testing.assert_close(opt._slot_of[bad].master, master, rtol=0, atol=0)
+    torch.testing.assert_close(opt.state[bad]["exp_avg"], state["exp_avg"], rtol=0, atol=0)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_scaling_detects_nonfinite_without_a_second_pass(offload_gradients, monkeypatch):
+    """After scale_grads, step() reuses its verdict; a gradient changed since is scanned again."""
+    scans = []
+    real = grad_checks.all_finite
+    monkeypatch.setattr(optimizer_module, "all_finite", lambda ts: scans.append(len(ts)) or real(ts))
+    model = make_model()
+    opt = offload(model, lr=1e-2, offload_gradients=offload_gradients)
+    x, y = batch(0, 0, "cpu")
+    ((model(x) - y) ** 2).sum().backward()
+    opt.scale_grads(0.5)
+    opt.step()
+    assert scans == []
+    ((model(x) - y) ** 2).sum().backward()  # without zero_grad: accumulates onto the grads
+    opt.step()
+    assert scans == [4]
+
+
+def test_failure_in_host_update_surfaces_with_its_traceback(monkeypatch):
+    """An exception inside the background update reaches step() with the original cause; no hang."""
+    model = make_model()
+    opt = offload(model, lr=1e-2)
+
+    def broken(*args, **kwargs):
+        raise ValueError("injected host-update failure")
+
+    monkeypatch.setattr(optimizer_module, "update_slots", broken)
+    with pytest.raises(HostUpdateError, match="injected host-update failure") as info:
+        train(model, opt, 1)
+    assert isinstance(info.value.__cause__, ValueError)
+    frames = traceback.extract_tb(info.value.__cause__.__traceback__)
+    assert frames[-1].name == "broken"
+    monkeypatch.undo()
+    opt.zero_grad()
+    train(model, opt, 1)  # the optimizer keeps working
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_failure_in_transfer_surfaces(overlap, monkeypatch):
+    """A failing weight copy, during step() or during backward, is raised by step()."""
+    model = make_model()
+    opt = offload(model, lr=1e-2, offload_gradients=True)
+
+    def broken(pairs):
+        raise RuntimeError("injected transfer failure")
+
+    monkeypatch.setattr(opt._transfers, "to_device", broken)
+    if overlap:
+        opt.overlap_next_step(grad_scale=1.0)
+    x, y = batch(0, 0, "cpu")
+    ((model(x) - y) ** 2).sum().backward()
+    with pytest.raises(HostUpdateError, match="injected transfer failure"):
+        if not overlap:
+            opt.scale_grads(1.0)
+        opt.step()
+
+
+def test_state_dict_of_another_optimizer_class_is_refused():
+    """An SGD checkpoint loaded into an AdamW-based optimizer: a clear error, nothing changed."""
+    model = make_model()
+    opt = offload(model, lr=1e-2)
+    train(model, opt, 1)
+    sgd = torch.optim.SGD(trainable(model), lr=0.1, momentum=0.9)
+    train(model, sgd, 1)
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match="another optimizer class.*betas"):
+        opt.load_state_dict(sgd.state_dict())
+    _assert_unchanged(opt, snap)
+
+
+def _torchao_state_dict(model, steps, minimal_size):
+    """What torchao's CPUOffloadOptimizer saves: one AdamW per large tensor, one for the rest.
+
+    Built from the same torch optimizers torchao builds internally (it cannot run without
+    a GPU); returns the state dict and a model trained identically for reference.
+    """
+    params = trainable(model)
+    big = [p for p in params if p.numel() >= minimal_size]
+    small = [p for p in params if p.numel() < minimal_size]
+    optims = [torch.optim.AdamW([{"params": p}], lr=1e-2, fused=True) for p in big]
+    d_opt = torch.optim.AdamW([{"params": small}], lr=1e-2, fused=True)
+
+    class Both:
+        def step(self):
+            for o in (*optims, d_opt):
+                o.step()
+
+        def zero_grad(self, set_to_none=True):
+            for o in (*optims, d_opt):
+                o.zero_grad(set_to_none)
+
+    train(model, Both(), steps)
+    return {"offloaded": [o.state_dict() for o in optims], "on-device": d_opt.state_dict()}
+
+
+def test_torchao_checkpoint_is_converted_and_continues_exactly():
+    """A torchao CPUOffloadOptimizer state dict loads, and training continues as AdamW would."""
+    ref_model, model = twins()
+    sd = _torchao_state_dict(ref_model, 3, minimal_size=512)
+    model.load_state_dict(ref_model.state_dict())
+    plain = torch.optim.AdamW(trainable(ref_model), lr=1e-2, fused=True)
+    converted = optimizer_module.convert_torchao_state_dict(sd, model_params := trainable(model),
+                                                             minimal_size=512)
+    plain.load_state_dict(copy.deepcopy(converted))
+    opt = offload(model, lr=1e-2, fused=True)
+    opt.load_state_dict(sd, torchao_minimal_size=512)
+    train(ref_model, plain, 2, start=3)
+    train(model, opt, 2, start=3)
+    assert_same_params(ref_model, model, exact=True)
+    assert len(model_params) == 4
+
+
+def test_torchao_checkpoint_for_another_model_is_refused():
+    """A torchao state dict whose tensors don't match the parameters: ValueError, nothing changed."""
+    model = make_model()
+    other = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Linear(64, 4))
+    sd = _torchao_state_dict(other, 1, minimal_size=512)
+    opt = offload(model, lr=1e-2, fused=True)
+    train(model, opt, 1)
+    snap = _snapshot(opt)
+    with pytest.raises(ValueError, match="torchao"):
+        opt.load_state_dict(sd, torchao_minimal_size=512)
+    _assert_unchanged(opt, snap)
