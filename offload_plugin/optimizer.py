@@ -17,12 +17,13 @@ from offload_plugin.checkpoint_compat import (
     is_torchao_state_dict,
 )
 from offload_plugin.grad_checks import NONFINITE_POLICIES, FiniteRecord, all_finite
+from offload_plugin import host_memory
 from offload_plugin.host_buffers import HostArena, HostSlot, build_slots
 from offload_plugin.host_update import update_slots
 from offload_plugin.host_worker import HostWorker
 from offload_plugin.transfer import Transfers
 
-__all__ = ["CPUOffloadOptimizer", "convert_torchao_state_dict"]
+__all__ = ["CPUOffloadOptimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,9 @@ class CPUOffloadOptimizer(Optimizer):
         nonfinite_grads (str): what a step with an inf or NaN gradient does: ``"skip"``
             (update nothing, warn) or ``"raise"`` (FloatingPointError). Master weights and
             optimizer state never take a non-finite gradient. Default: ``"skip"``.
+        check_host_memory (bool): before allocating, compare the host memory needed with
+            what this process may use (MemAvailable, cgroup limit) and raise
+            ``HostMemoryError`` naming both if it cannot fit. Default: ``True``.
         **optimizer_kwargs: hyperparameters for ``optimizer_cls`` (``lr``, ``betas``,
             ``weight_decay``, ``fused``, ...).
 
@@ -142,6 +146,7 @@ class CPUOffloadOptimizer(Optimizer):
         ValueError: no trainable parameters, a parameter given twice, parameters on
             different devices, an unresolvable or unsupported ``optimizer_cls``, or an
             invalid hyperparameter (reported by ``optimizer_cls`` itself).
+        HostMemoryError: the host buffers and state would not fit (see check_host_memory).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -159,6 +164,7 @@ class CPUOffloadOptimizer(Optimizer):
         master_weights: bool = True,
         pin_memory: bool = True,
         nonfinite_grads: str = "skip",
+        check_host_memory: bool = True,
         **optimizer_kwargs: Any,
     ) -> None:
         if nonfinite_grads not in NONFINITE_POLICIES:
@@ -166,6 +172,7 @@ class CPUOffloadOptimizer(Optimizer):
                 f"nonfinite_grads must be one of {NONFINITE_POLICIES}, got {nonfinite_grads!r}"
             )
         self.nonfinite_grads = nonfinite_grads
+        self.check_host_memory = check_host_memory
         self._finite = FiniteRecord()
         self.optimizer_cls = _resolve_optimizer_cls(optimizer_cls)
         self.offload_gradients = offload_gradients
@@ -252,6 +259,12 @@ class CPUOffloadOptimizer(Optimizer):
             )
         if params and self._transfers is None:
             self._setup_device(params[0].device)
+        if params and self.check_host_memory:
+            state = host_memory.state_tensors_per_param(self.optimizer_cls, group)
+            host_memory.check(
+                host_memory.bytes_needed(params, self.master_weights, state),
+                sum(p.numel() for p in params), self.master_weights,
+            )
         slots = build_slots(params, self.master_weights, self._arena) if params else []
         for slot in slots:
             self._slot_list.append(slot)

@@ -109,8 +109,10 @@ def optimizer_metrics(optimizer: torch.optim.Optimizer) -> Dict[str, float]:
 
 
 # A save is staged in ``output_dir/.epoch_N.partial`` and renamed to ``.epoch_N.complete``
-# once every file is on disk: that rename is the commit point. Both names start with "."
-# so torchtune's ``^epoch_(\d+)`` search for the latest epoch never sees them.
+# once every file is on disk: that rename is the commit point. Staging inside output_dir
+# keeps every rename on one filesystem, where os.replace is atomic (across filesystems it
+# would be a copy). Both names start with "." so torchtune's ``^epoch_(\d+)`` search for
+# the latest epoch (LoRA resume) never sees them.
 _PARTIAL = ".epoch_{epoch}.partial"
 _COMPLETE = ".epoch_{epoch}.complete"
 _COMPLETE_RE = re.compile(r"^\.epoch_(\d+)\.complete$")

@@ -218,3 +218,66 @@ def test_torchao_checkpoint_for_another_model_is_refused():
     with pytest.raises(ValueError, match="torchao"):
         opt.load_state_dict(sd, torchao_minimal_size=512)
     _assert_unchanged(opt, snap)
+
+
+@pytest.mark.parametrize(
+    "dtype,master_weights,kwargs",
+    [
+        (torch.float32, True, {}),
+        (torch.bfloat16, True, {}),
+        (torch.bfloat16, False, {}),
+        (torch.float32, True, {"amsgrad": True}),
+    ],
+)
+def test_host_memory_estimate_matches_what_is_allocated(dtype, master_weights, kwargs):
+    """The preflight's estimate equals the host bytes actually held after the first step."""
+    from offload_plugin import host_memory
+
+    model = make_model(dtype=dtype)
+    opt = offload(model, lr=1e-3, master_weights=master_weights, **kwargs)
+    train(model, opt, 1, via_optimizer=True)
+    state = host_memory.state_tensors_per_param(torch.optim.AdamW, kwargs)
+    needed = host_memory.bytes_needed(trainable(model), master_weights, state)
+    step_counters = 4 * len(trainable(model))  # AdamW's 0-d `step` tensors
+    assert opt.host_memory_bytes() == needed + step_counters
+
+
+def test_host_memory_preflight_refuses_before_allocating(monkeypatch):
+    """Too little host memory: HostMemoryError naming need, limit and options; nothing allocated."""
+    from offload_plugin import HostMemoryError, host_memory
+
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: (1000, "the cgroup limit in test"))
+    allocations = []
+    monkeypatch.setattr(optimizer_module, "build_slots", lambda *a: allocations.append(a) or [])
+    model = make_model()
+    with pytest.raises(HostMemoryError) as info:
+        CPUOffloadOptimizer(model.parameters())
+    message = str(info.value)
+    assert "needs about 0.0 GiB" in message and "1,188 trainable elements" in message
+    assert "cgroup limit in test" in message and "master_weights=False" in message
+    assert allocations == []
+    monkeypatch.undo()
+    CPUOffloadOptimizer(model.parameters(), check_host_memory=False)  # the documented bypass
+
+
+def test_available_memory_reads_meminfo_and_cgroup():
+    """The limit comes from this machine's MemAvailable or cgroup, and is plausible."""
+    from offload_plugin import host_memory
+
+    free, source = host_memory.available_bytes()
+    assert free is not None and 0 < free < 2**50
+    assert "MemAvailable" in source or "cgroup" in source
+
+
+def test_pinning_failure_falls_back_to_pageable_memory(monkeypatch, caplog):
+    """If page-locking fails, buffers are ordinary memory and a warning says so."""
+    from offload_plugin import host_buffers
+
+    monkeypatch.setattr(host_buffers, "_pin", lambda block: False)
+    arena = host_buffers.HostArena(pin=True)
+    with caplog.at_level(logging.WARNING, logger="offload_plugin"):
+        a, b = arena.allocate([3, 5], torch.float32)
+    assert "Could not pin" in caplog.text
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert arena.blocks[0].tolist() == [1.0] * 3 + [2.0] * 5
