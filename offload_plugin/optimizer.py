@@ -349,12 +349,7 @@ class CPUOffloadOptimizer(Optimizer):
                 "gradients. Pass grad_scale to overlap_next_step() instead, and don't "
                 "overlap steps that clip."
             )
-        if self.offload_gradients:
-            return [s.grad for s in self._settled_host_grads()]
-        grads = [s.param.grad for s in self._slots() if s.param.grad is not None]
-        for g in grads:
-            _check_dense(g)
-        return grads
+        return self._ready_grads()
 
     @torch.no_grad()
     def scale_grads(self, factor: Union[float, torch.Tensor]) -> None:
