@@ -4,7 +4,7 @@ The demo configs under ``configs/demo/`` and the recipe tests use these so that 
 fine-tune runs in seconds on a laptop CPU, with no model hub download. Files are
 written by::
 
-    python -m offload_plugin.demo prepare --output-dir /tmp/offload_plugin/demo
+    python -m offload_plugin.demo prepare --output-dir /tmp/offload-plugin/demo
 
 which creates ``tokenizer.model`` (SentencePiece), ``alpaca_tiny.json`` (alpaca-style
 instruction data) and ``model/model.pt`` (a random-init checkpoint readable by
@@ -207,7 +207,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="write tokenizer, dataset and checkpoint")
-    prep.add_argument("--output-dir", default="/tmp/offload_plugin/demo")
+    # Not /tmp/offload_plugin: run from /tmp, a folder of that name would shadow this package.
+    prep.add_argument("--output-dir", default="/tmp/offload-plugin/demo")
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--num-examples", type=int, default=2000)
     args = parser.parse_args(argv)

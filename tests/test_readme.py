@@ -61,7 +61,7 @@ def test_demo_quick_start_trains(tmp_path):
     """The demo command (after its install steps) prepares the data and the loss falls."""
     demo = _commands()[0]
     _run(_without_setup(demo), REPO, tmp_path)
-    losses = _losses("/tmp/offload_plugin/tiny_qlora_offload/logs")
+    losses = _losses("/tmp/offload-plugin/tiny_qlora_offload/logs")
     assert len(losses) >= 100 and sum(losses[-10:]) < sum(losses[:10]), losses
 
 
