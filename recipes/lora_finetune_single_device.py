@@ -46,7 +46,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
     Features: bf16/fp32, gradient accumulation with loss normalized by token count,
     gradient clipping, activation checkpointing/offloading, any LR scheduler, and
     end-of-epoch checkpoints (adapter, merged model, optimizer and scheduler state)
-    for exact resume.
+    for exact resume, saved so that a kill mid-save keeps the previous one loadable.
     Scaling and clipping go through the optimizer when it is ``CPUOffloadOptimizer``
     (see ``offload_plugin.recipe_utils``).
 
@@ -107,6 +107,11 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._profiler = self._setup_profiler(cfg.get("profiler", None))
 
     def _setup_checkpointer(self, cfg_checkpointer: Mapping) -> Dict[str, Any]:
+        # A run killed while saving leaves a staged save behind: finish it if it was
+        # complete, else drop it, so what we load below is one consistent epoch.
+        recovered = recipe_utils.recover_checkpoints(cfg_checkpointer.output_dir)
+        if recovered:
+            log.info(f"Finished publishing the interrupted checkpoint save of epoch(s) {recovered}.")
         self._checkpointer = config.instantiate(cfg_checkpointer, should_load_recipe_state=self._resume)
         ckpt = self._checkpointer.load_checkpoint()
         if self._resume:
@@ -267,8 +272,13 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                     training.MAX_STEPS_KEY: self.max_steps_per_epoch,
                 }
             )
-        self._checkpointer.save_checkpoint(
-            ckpt, epoch=epoch, intermediate_checkpoint=intermediate, adapter_only=self._save_adapter_weights_only
+        # Staged and published atomically: a kill mid-save keeps the previous checkpoint loadable.
+        recipe_utils.save_checkpoint_atomically(
+            self._checkpointer,
+            ckpt,
+            epoch=epoch,
+            intermediate_checkpoint=intermediate,
+            adapter_only=self._save_adapter_weights_only,
         )
 
     def _loss_step(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
