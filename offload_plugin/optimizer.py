@@ -362,14 +362,21 @@ class CPUOffloadOptimizer(Optimizer):
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
-        found = torch.zeros(1)
+        found, known = torch.zeros(1), True
         for device, group in by_device.items():
-            # Multiplies like `g *= factor` (bit for bit) and flags inf/NaN in the same pass.
             scale = torch.as_tensor(factor, dtype=torch.float32).reshape(1).to(device)
-            found_here = torch.zeros(1, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_here, scale)
-            found = found + found_here.cpu()
-        self._finite.record(found, grads)
+            if device.type == "cpu":
+                # Multiplies like `g *= factor` (bit for bit) and flags inf/NaN in one pass.
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, scale)
+            else:
+                # CUDA's AMP kernel has no bf16 variant; step() scans on the GPU instead.
+                for g in group:
+                    g.mul_(scale)
+                known = False
+        if known:
+            self._finite.record(found, grads)
+        else:
+            self._finite.clear()
         self._scaled_since_zero_grad = True
 
     @torch.no_grad()
