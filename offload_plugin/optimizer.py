@@ -245,8 +245,12 @@ class CPUOffloadOptimizer(Optimizer):
             raise ValueError("all optimizer params should be with/without names")
         group["params"] = kept_entries
         super().add_param_group(group)
-        group = self.param_groups[-1]
-        self._attach(group)
+        try:
+            self._attach(self.param_groups[-1])
+        except BaseException:
+            # Leave the optimizer as it was: no group without host copies behind it.
+            self.param_groups.pop()
+            raise
 
     def _attach(self, group: dict[str, Any]) -> None:
         """Create host copies (and hooks) for a group torch has accepted."""
@@ -266,6 +270,12 @@ class CPUOffloadOptimizer(Optimizer):
                 sum(p.numel() for p in params), self.master_weights,
             )
         slots = build_slots(params, self.master_weights, self._arena) if params else []
+        host_group = {k: v for k, v in group.items() if k != "params"}
+        host_group["params"] = [s.master for s in slots]
+        if self._host_optimizer is None:
+            self._host_optimizer = self.optimizer_cls([host_group], **self._optimizer_kwargs)
+        else:
+            self._host_optimizer.add_param_group(host_group)
         for slot in slots:
             self._slot_list.append(slot)
             self._slot_of[slot.param] = slot
@@ -275,13 +285,6 @@ class CPUOffloadOptimizer(Optimizer):
                 )
         self._counts["kept"] += len(params)
         self._counts["kept_numel"] += sum(p.numel() for p in params)
-
-        host_group = {k: v for k, v in group.items() if k != "params"}
-        host_group["params"] = [s.master for s in slots]
-        if self._host_optimizer is None:
-            self._host_optimizer = self.optimizer_cls([host_group], **self._optimizer_kwargs)
-        else:
-            self._host_optimizer.add_param_group(host_group)
 
     def _setup_device(self, device: torch.device) -> None:
         self._transfers = Transfers(device)

@@ -325,3 +325,15 @@ def test_overlap_refuses_late_scaling_or_clipping():
     opt.step()
     with pytest.raises(ValueError, match="offload_gradients=True"):
         offload(make_model()).overlap_next_step()
+
+
+def test_failed_add_param_group_leaves_optimizer_unchanged():
+    """add_param_group with a parameter on another device raises and leaves a working optimizer."""
+    model = make_model()
+    opt = offload(model, lr=1e-2)
+    stray = nn.Parameter(torch.zeros(3, device="meta"))
+    with pytest.raises(ValueError, match="one device"):
+        opt.add_param_group({"params": [stray]})
+    assert len(opt.param_groups) == 1
+    train(model, opt, 1)
+    assert len(opt.state_dict()["state"]) == 4
