@@ -6,7 +6,7 @@ updated, bf16 weight out) for several chunk sizes and thread counts, on one para
 per parameter when every byte is moved once: bf16 grad read, fp32 master/exp_avg/exp_avg_sq
 read and written, bf16 weight written).
 
-    python bench/host_update_rate.py --numel 268435456
+    python bench/host_update_rate.py --numel 268435456 [--compiled]
 """
 
 import argparse
@@ -43,10 +43,51 @@ def _in_thread(fn, threads):
     return out["s"]
 
 
+def _adamw_single_pass(p, g_bf16, m, v, out_bf16, lr, beta1, beta2, eps, wd, bc1, bc2_sqrt):
+    """AdamW on an fp32 master from a bf16 gradient, writing the bf16 weight: one expression
+    graph, so torch.compile can emit a single loop that reads and writes each byte once."""
+    g = g_bf16.float()
+    p_new = p * (1 - lr * wd)
+    m_new = m + (g - m) * (1 - beta1)
+    v_new = v * beta2 + g * g * (1 - beta2)
+    p_new = p_new - (lr / bc1) * m_new / (v_new.sqrt() / bc2_sqrt + eps)
+    p.copy_(p_new)
+    m.copy_(m_new)
+    v.copy_(v_new)
+    out_bf16.copy_(p_new)
+
+
+def report_compiled(n, threads, repeats, report):
+    """Experimental: the single-pass update through torch.compile (needs a C++ compiler).
+
+    Not used by the optimizer yet: its rounding differs from torch's fused kernel by a few
+    ulps, so it would be an opt-in mode. Also prints that difference after one step.
+    """
+    kernel = torch.compile(_adamw_single_pass, dynamic=False)
+    p, m, v = torch.randn(n), torch.zeros(n), torch.zeros(n)
+    g = torch.randn(n).to(torch.bfloat16)
+    out = torch.empty(n, dtype=torch.bfloat16)
+    lr, b1, b2, eps, wd = 1e-3, 0.9, 0.999, 1e-8, 0.01
+    hyper = [torch.tensor(x) for x in (lr, b1, b2, eps, wd, 1 - b1, (1 - b2) ** 0.5)]
+    ref_p = p.clone()
+    ref_p.grad = g.float()
+    ref = torch.optim.AdamW([ref_p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, fused=True)
+    t0 = time.perf_counter()
+    _in_thread(lambda: kernel(p, g, m, v, out, *hyper), threads)  # step 1, compiles
+    print(f"torch.compile of the single-pass update: {time.perf_counter() - t0:.1f} s", flush=True)
+    ref.step()
+    diff = (p - ref_p).abs().max().item()
+    print(f"after one step, max |compiled - torch fused| = {diff:.3g}", flush=True)
+    report(f"compiled single pass bf16->fp32 master->bf16, {threads} thr (experimental)",
+           _in_thread(lambda: _timed(lambda: kernel(p, g, m, v, out, *hyper), repeats), threads))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--numel", type=int, default=1 << 28)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--compiled", action="store_true",
+                   help="also time the experimental torch.compile single-pass update")
     args = p.parse_args()
     n, cores = args.numel, torch.get_num_threads()
     rows = []
@@ -76,6 +117,9 @@ def main() -> None:
                _in_thread(lambda: _timed(lambda: host_update.update_slots(opt, groups, [slot]),
                                          args.repeats), threads))
     del master, slot, opt
+
+    if args.compiled:
+        report_compiled(n, threads, args.repeats, report)
 
     # master_weights=False: everything bf16 (2+2*2+2*2+2*2... = 14 bytes per parameter).
     wb = torch.zeros(n, dtype=torch.bfloat16)
