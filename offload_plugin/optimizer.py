@@ -495,8 +495,9 @@ class CPUOffloadOptimizer(Optimizer):
         try:
             if self._overlap is None:
                 self._warn_if_unscaled()
-                if not self._all_grads_finite():
-                    self._nonfinite_step(updated=0, skipped=sum(1 for _ in self._ready_grads()))
+                grads = self._ready_grads()
+                if not self._grads_finite(grads):
+                    self._nonfinite_step(updated=0, skipped=len(grads))
                     return loss
                 if not self.offload_gradients:
                     # The recipe has finished with .grad (scaling, clipping): copy it now.
@@ -534,8 +535,7 @@ class CPUOffloadOptimizer(Optimizer):
             _check_dense(g)
         return grads
 
-    def _all_grads_finite(self) -> bool:
-        grads = self._ready_grads()
+    def _grads_finite(self, grads: list[torch.Tensor]) -> bool:
         known = self._finite.finite(grads)  # from scale_grads/clip_grad_norm_, if current
         return all_finite(grads) if known is None else known
 
