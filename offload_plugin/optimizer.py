@@ -317,6 +317,10 @@ class CPUOffloadOptimizer(Optimizer):
             # it on the host, in the gradient's dtype as autograd would on the device.
             self._settle(slot)
             if slot.incoming is None:
+                # The weight stage is idle until this step's update (its last copy to the
+                # device is ordered before this backward): land the gradient there.
+                slot.incoming = slot.weight_stage
+            if slot.incoming is None:
                 slot.incoming = torch.empty_like(slot.grad, pin_memory=self._arena.pin)
             slot.incoming_event = self._transfers.to_host([(grad, slot.incoming)])
             slot.incoming_pending = True
@@ -702,7 +706,8 @@ class CPUOffloadOptimizer(Optimizer):
             if isinstance(v, torch.Tensor)
         )
         incoming = sum(s.incoming.numel() * s.incoming.element_size()
-                       for s in self._slot_list if s.incoming is not None)
+                       for s in self._slot_list
+                       if s.incoming is not None and s.incoming is not s.weight_stage)
         return self._arena.nbytes() + state_bytes + incoming
 
     def __repr__(self) -> str:

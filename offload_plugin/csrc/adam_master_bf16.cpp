@@ -1,0 +1,147 @@
+// One pass of Adam/AdamW over fp32 master weights with bf16 gradients, writing the
+// updated weight back in bf16: the work torch does in three passes (upcast the gradient,
+// torch._fused_adamw_, downcast the master), done while each element is in registers.
+//
+// Bit-exactness with torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp,
+// vectorized body) comes from doing the same IEEE fp32 operations in the same order:
+// every +, *, / and sqrt rounds once, the lerp of the first moment is one fused
+// multiply-add as in torch's `vec::fmadd`, so is the second-moment product that torch's
+// build contracts, and nothing else may be (this file is compiled with -ffp-contract=off). Scalars are derived in double, then cast to float,
+// as torch does. offload_plugin.native_adam checks the result against torch's kernel on
+// this machine before using it, and falls back to torch if a single bit differs.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <omp.h>
+
+namespace {
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// Round to nearest even, as torch's float -> bfloat16 conversion; NaN stays NaN.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0xffff;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+struct Coefficients {
+  float decay;        // AdamW: weight *= decay (1 - lr * weight_decay)
+  float l2;           // Adam: grad += weight * l2 (weight_decay)
+  float lerp_coeff;   // exp_avg.lerp_(grad, 1 - beta1), as torch's fmadd form
+  bool lerp_from_avg; // |1 - beta1| < 0.5: base is exp_avg, else the gradient
+  float beta2;
+  float one_minus_beta2;
+  float bias_correction2_sqrt;
+  float eps;
+  float neg_step_size;
+  float grad_scale;
+  bool has_scale;
+  bool maximize;
+  bool adamw;
+  bool has_decay;
+};
+
+template <bool kLerpFromAvg, bool kAdamW, bool kDecay, bool kScale, bool kMaximize>
+void update_range(float* __restrict master, const uint16_t* __restrict grad,
+                  float* __restrict exp_avg, float* __restrict exp_avg_sq,
+                  uint16_t* __restrict weight_out, int64_t begin, int64_t end,
+                  const Coefficients& c) {
+  const float decay = c.decay, l2 = c.l2, coeff = c.lerp_coeff, beta2 = c.beta2,
+              b2c = c.one_minus_beta2, bc2 = c.bias_correction2_sqrt, eps = c.eps,
+              nss = c.neg_step_size, scale = c.grad_scale;
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    float p = master[i];
+    float g = bf16_to_float(grad[i]);
+    if (kScale) g = g * scale;
+    if (kMaximize) g = g * -1.0f;
+    if (kDecay) {
+      if (kAdamW) p = p * decay;
+      else g = std::fma(p, l2, g);  // contracted in torch's build too
+    }
+    float m = exp_avg[i];
+    m = kLerpFromAvg ? std::fma(coeff, g - m, m) : std::fma(coeff, g - m, g);
+    // torch's binary computes `v * beta2 + c * g * g` with the last product fused into
+    // the addition (its build contracts it); the self-check pins this down.
+    float v = std::fma(b2c * g, g, exp_avg_sq[i] * beta2);
+    exp_avg[i] = m;
+    exp_avg_sq[i] = v;
+    float denom = std::sqrt(v) / bc2 + eps;
+    p = p + nss * m / denom;
+    master[i] = p;
+    if (weight_out) weight_out[i] = float_to_bf16(p);
+  }
+}
+
+using RangeFn = void (*)(float*, const uint16_t*, float*, float*, uint16_t*, int64_t,
+                         int64_t, const Coefficients&);
+
+template <bool A, bool B, bool C, bool D>
+RangeFn pick5(bool e) { return e ? update_range<A, B, C, D, true> : update_range<A, B, C, D, false>; }
+template <bool A, bool B, bool C>
+RangeFn pick4(bool d, bool e) { return d ? pick5<A, B, C, true>(e) : pick5<A, B, C, false>(e); }
+template <bool A, bool B>
+RangeFn pick3(bool c, bool d, bool e) { return c ? pick4<A, B, true>(d, e) : pick4<A, B, false>(d, e); }
+template <bool A>
+RangeFn pick2(bool b, bool c, bool d, bool e) { return b ? pick3<A, true>(c, d, e) : pick3<A, false>(c, d, e); }
+
+}  // namespace
+
+extern "C" {
+
+// Updates elements [0, n) in place. `weight_out` may be null. `step` is the step count
+// after this update (torch increments it first). Returns 0.
+int adam_master_bf16_step(float* master, const uint16_t* grad, float* exp_avg,
+                          float* exp_avg_sq, uint16_t* weight_out, int64_t n, double lr,
+                          double beta1, double beta2, double weight_decay, double eps,
+                          double step, int adamw, int maximize, int has_scale,
+                          float grad_scale, int num_threads) {
+  // Scalars exactly as torch derives them (double, then cast to float where used).
+  const double bias_correction1 = 1 - std::pow(beta1, step);
+  const double bias_correction2 = 1 - std::pow(beta2, step);
+  const double step_size = lr / bias_correction1;
+  const double exp_avg_grad_coefficient = 1 - beta1;
+  Coefficients c;
+  c.decay = static_cast<float>(1 - lr * weight_decay);
+  c.l2 = static_cast<float>(weight_decay);
+  const float lerp_weight = static_cast<float>(exp_avg_grad_coefficient);
+  c.lerp_from_avg = std::fabs(lerp_weight) < 0.5f;
+  c.lerp_coeff = c.lerp_from_avg ? lerp_weight : lerp_weight - 1.0f;
+  c.beta2 = static_cast<float>(beta2);
+  c.one_minus_beta2 = static_cast<float>(1 - beta2);
+  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  c.eps = static_cast<float>(eps);
+  c.neg_step_size = static_cast<float>(-step_size);
+  c.grad_scale = grad_scale;
+  c.has_scale = has_scale != 0;
+  c.maximize = maximize != 0;
+  c.adamw = adamw != 0;
+  c.has_decay = weight_decay != 0;
+
+  RangeFn fn = c.lerp_from_avg ? pick2<true>(c.adamw, c.has_decay, c.has_scale, c.maximize)
+                               : pick2<false>(c.adamw, c.has_decay, c.has_scale, c.maximize);
+  // Split into pieces of whole cache lines (16 floats), like torch's kernel.
+  constexpr int64_t kUnit = 16;
+  const int64_t units = (n + kUnit - 1) / kUnit;
+  int threads = num_threads > 0 ? num_threads : 1;
+  if (units < threads * 64) threads = static_cast<int>(units / 64) > 0 ? static_cast<int>(units / 64) : 1;
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+    const int64_t b = u0 * kUnit, e = u1 * kUnit < n ? u1 * kUnit : n;
+    if (b < e) fn(master, grad, exp_avg, exp_avg_sq, weight_out, b, e, c);
+  }
+  return 0;
+}
+
+}  // extern "C"

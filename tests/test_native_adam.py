@@ -1,0 +1,117 @@
+"""The one-pass host update (offload_plugin.native_adam) against torch's fused AdamW.
+
+The kernel is only ever used after matching torch bit for bit at load time; these tests
+check that promise from outside, over settings and tensor sizes the load-time check does
+not cover, and that every way of not having the kernel falls back cleanly.
+"""
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+import offload_plugin.host_update as host_update
+from offload_plugin import native_adam
+from offload_plugin.host_buffers import HostSlot
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None,
+    reason="no C++ compiler: the optimizer falls back to torch's kernels",
+)
+
+
+@pytest.fixture
+def fresh_kernel_state(monkeypatch, tmp_path):
+    """Forget the loaded kernel (and build into an empty cache) for this test only."""
+    monkeypatch.setattr(native_adam, "_state", {})
+    monkeypatch.setenv("OFFLOAD_PLUGIN_CACHE", str(tmp_path / "cache"))
+    yield
+
+
+@needs_compiler
+def test_kernel_is_built_verified_and_used_here():
+    assert native_adam.kernel() is not None, native_adam._state.get("reason")
+
+
+def _run(numel, group_kwargs, adamw, steps, grad_scale, native, seed=0):
+    """`steps` updates of one bf16 parameter through update_slots; returns master, m, v, weight."""
+    gen = torch.Generator().manual_seed(seed)
+    master = torch.randn(numel, generator=gen) * 3
+    slot = HostSlot(param=torch.zeros(1), master=master,
+                    grad=torch.empty(numel, dtype=torch.bfloat16),
+                    weight_stage=torch.empty(numel, dtype=torch.bfloat16))
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    opt = cls([master], fused=True, **group_kwargs)
+    groups = {master: opt.param_groups[0]}
+    host_update.USE_NATIVE = native
+    try:
+        for k in range(steps):
+            scale = 10.0 ** torch.randint(-9, 3, (numel,), generator=gen)
+            slot.grad.copy_(torch.randn(numel, generator=gen) * scale)
+            if k == 1:
+                slot.grad[::7] = 0  # zero gradients keep moments decaying
+            opt.param_groups[0]["lr"] = group_kwargs.get("lr", 1e-3) * (k + 1)  # a schedule
+            host_update.update_slots(opt, groups, [slot], grad_scale)
+    finally:
+        host_update.USE_NATIVE = True
+    st = opt.state[master]
+    return master, st["exp_avg"], st["exp_avg_sq"], slot.weight_stage
+
+
+@needs_compiler
+@pytest.mark.parametrize("numel", [1, 15, 16, 17, 4096 + 13, 3 * (1 << 21) + 5])
+@pytest.mark.parametrize(
+    "adamw,group_kwargs,grad_scale",
+    [
+        (True, {"lr": 1e-3, "weight_decay": 0.01}, None),
+        (True, {"lr": 3e-4, "weight_decay": 0.0, "betas": (0.5, 0.95), "maximize": True}, 1 / 4096),
+        (True, {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.2, 0.99), "eps": 1e-6}, 0.37),
+        (False, {"lr": 1e-3, "weight_decay": 0.05}, None),
+        (False, {"lr": 1e-3, "betas": (0.0, 0.9)}, 3.0),
+    ],
+    ids=["adamw", "adamw-maximize-scaled-beta1-half", "adamw-beta1-low", "adam-l2", "adam-beta1-zero"],
+)
+def test_one_pass_update_is_bitwise_torch_fused(numel, adamw, group_kwargs, grad_scale):
+    if numel > 1 << 20 and group_kwargs.get("maximize") is not True:
+        pytest.skip("one large size is enough: it spans several threads' ranges and a ragged tail")
+    native = _run(numel, group_kwargs, adamw, 3, grad_scale, native=True)
+    torch_path = _run(numel, group_kwargs, adamw, 3, grad_scale, native=False)
+    for name, a, b in zip(["master", "exp_avg", "exp_avg_sq", "bf16 weight"], native, torch_path):
+        assert torch.equal(a, b), f"{name} differs"
+    # And the bf16 weight is exactly the rounded master, as torch's .to(bfloat16) gives.
+    assert torch.equal(native[3], native[0].to(torch.bfloat16))
+
+
+def test_disabled_by_environment(fresh_kernel_state, monkeypatch, caplog):
+    monkeypatch.setenv("OFFLOAD_PLUGIN_NATIVE", "0")
+    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+        assert native_adam.kernel() is None
+    assert "OFFLOAD_PLUGIN_NATIVE=0" in caplog.text
+
+
+def test_missing_compiler_falls_back_with_the_same_results(fresh_kernel_state, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+        assert native_adam.kernel() is None
+    assert "using torch's fused kernel" in caplog.text
+    # The update still runs, through torch's kernel.
+    master, *_ = _run(33, {"lr": 1e-3}, True, 2, None, native=True)
+    ref, *_ = _run(33, {"lr": 1e-3}, True, 2, None, native=False)
+    assert torch.equal(master, ref)
+
+
+@needs_compiler
+def test_refuses_tensors_it_cannot_update():
+    kernel = native_adam.kernel()
+    n = 32
+    args = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, step=1.0,
+                adamw=True, maximize=False, grad_scale=None, num_threads=1)
+    f32, bf16 = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.step(torch.zeros(17), torch.zeros(17, dtype=torch.bfloat16), torch.zeros(17),
+                    torch.zeros(17), None, **args)
+    with pytest.raises(ValueError, match="fp32 master and bf16"):
+        kernel.step(f32, f32.clone(), f32.clone(), f32.clone(), None, **args)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kernel.step(torch.zeros(2 * n)[::2], bf16, f32.clone(), f32.clone(), None, **args)
