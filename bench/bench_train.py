@@ -69,7 +69,8 @@ def _ours(model, trainable, args, **kw):
 
     _check_host_memory(trainable, args, **kw)
     # model.parameters(), frozen NF4 weights included, as torchtune's recipes pass them.
-    return CPUOffloadOptimizer(model.parameters(), lr=LR, fused=True, **kw)
+    return CPUOffloadOptimizer(model.parameters(), lr=LR, fused=True,
+                               host_threads=args.host_threads, **kw)
 
 
 def _torchao(model, trainable, args):
@@ -100,6 +101,12 @@ OPTIMIZERS = {
     "offload_nomaster": lambda m, t, a: _ours(m, t, a, master_weights=False),
     "offload_grads_nomaster": lambda m, t, a: _ours(m, t, a, offload_gradients=True,
                                                     master_weights=False),
+    # Opt-in, not exact: each gradient applied one step late, host work hidden behind the
+    # next step's forward and backward.
+    "offload_grads_delayed": lambda m, t, a: _ours(m, t, a, offload_gradients=True,
+                                                   delayed_update=True),
+    "offload_grads_nomaster_delayed": lambda m, t, a: _ours(
+        m, t, a, offload_gradients=True, master_weights=False, delayed_update=True),
     "torchao": _torchao,
     "bnb_paged8bit": _bnb,
 }
@@ -115,17 +122,15 @@ def skip_reason(name, args):
     return None
 
 
-def _check_host_memory(trainable, args, offload_gradients=False, master_weights=True):
-    """Fail fast instead of meeting the OOM killer after minutes of pinning."""
-    need = 0
-    for p in trainable:
-        low = p.dtype in (torch.bfloat16, torch.float16)
-        m = 4 if master_weights and low else p.element_size()
-        # master + grad + stage (if master differs) + AdamW exp_avg/exp_avg_sq in master dtype
-        per = m + p.element_size() + (p.element_size() if m != p.element_size() else 0) + 2 * m
-        if offload_gradients and args.grad_accum > 1:
-            per += p.element_size()  # host buffer for the incoming micro-batch gradient
-        need += per * p.numel()
+def _check_host_memory(trainable, args, offload_gradients=False, master_weights=True,
+                       delayed_update=False):
+    """Warn early instead of meeting the OOM killer after minutes of pinning."""
+    from offload_plugin import host_memory
+
+    extra = 2 if offload_gradients and delayed_update else 0  # spare + landing buffers
+    if offload_gradients and args.grad_accum > 1 and not extra and not master_weights:
+        extra = 1  # landing buffer for accumulated gradients (else the weight stage serves)
+    need = host_memory.bytes_needed(trainable, master_weights, 2, extra)
     avail = _mem_available()
     if avail is not None and need > 0.95 * avail:
         # Only a warning: some VMs report little MemAvailable until memory is touched.
@@ -213,7 +218,9 @@ def run_single(args, name):
         n_tokens = mb * args.seq_len * args.grad_accum
         # Ours with offloaded gradients and no clipping: updates start during the last
         # backward (exact; the optimizer applies 1/num_tokens itself), as our recipes do.
-        overlap = is_ours and opt.offload_gradients and not args.clip_grad_norm
+        # delayed_update: weights return during the last backward, clipping or not.
+        delayed = is_ours and opt.delayed_update
+        overlap = is_ours and opt.offload_gradients and (not args.clip_grad_norm or delayed)
 
         def forward_backward(overlap=overlap):
             total = torch.zeros((), device=dev)
@@ -257,7 +264,7 @@ def run_single(args, name):
         res.update(step_times=times, losses=losses, step_s=sum(timed) / len(timed))
         res["tokens_per_s"] = args.tokens_per_step / res["step_s"]
 
-        if args.measure_host_update and is_ours:
+        if args.measure_host_update and is_ours and not delayed:
             # The optimizer step alone: gradients in place, nothing else queued on the GPU.
             forward_backward(overlap=False)
             scale_clip()
@@ -463,6 +470,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per process (default: torch's; 1 with --device cpu, "
                         "where a busy core makes 2 threads crawl)")
+    p.add_argument("--host-threads", type=int, default=None,
+                   help="CPUOffloadOptimizer(host_threads=...) (default: all cores but one)")
     p.add_argument("--ref-numel-cap", type=int, default=2**28,
                    help="max elements for the standalone CPU AdamW figure (16 B each)")
     p.add_argument("--child-timeout", type=float, default=1800, help="seconds per optimizer")

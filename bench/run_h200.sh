@@ -4,7 +4,9 @@
 # installed (see its header) and `pip install -e .` done:
 #   bash bench/run_h200.sh host     # host-update rate, memory bandwidth, native kernel check
 #   bash bench/run_h200.sh 1b       # Llama-3.2-1B full, 4k tokens/step, every optimizer
-#   bash bench/run_h200.sh 8b       # Llama-3.1-8B full 4k and 16k (ga 4 + AC), and QLoRA 4k
+#   bash bench/run_h200.sh qlora    # Llama-3.1-8B QLoRA 4k
+#   bash bench/run_h200.sh 8b       # Llama-3.1-8B full 4k and 16k (ga 4 + AC), no master weights
+#                                   # (fp32 masters for 8B need ~128 GB of host memory; this host has 125)
 # Results: bench/results/*.json (copied to $OUT if set); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
@@ -24,17 +26,18 @@ for stage in "$@"; do
         python3 bench/host_update_rate.py --numel $((1 << 28)) 2>&1 | tee "$OUT/host_update_rate.txt" ;;
     1b)
         bench llama3_2_1b-full-4096 --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
-            --measure-host-update --optimizers gpu_adamw,offload,offload_grads,offload_nomaster,offload_grads_nomaster,torchao,bnb_paged8bit
+            --measure-host-update --optimizers gpu_adamw,offload,offload_grads,offload_grads_delayed,offload_nomaster,offload_grads_nomaster,torchao,bnb_paged8bit
         bench llama3_2_1b-full-4096-clip --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
-            --clip-grad-norm 1.0 --optimizers gpu_adamw,offload,offload_grads ;;
-    8b)
+            --clip-grad-norm 1.0 --optimizers gpu_adamw,offload_grads,offload_grads_delayed ;;
+    qlora)
         bench llama3_1_8b-qlora-4096 --model llama3_1_8b --job qlora --tokens-per-step 4096 --seq-len 2048 \
-            --optimizers gpu_adamw,offload_grads,torchao
+            --optimizers gpu_adamw,offload_grads,torchao ;;
+    8b)
         bench llama3_1_8b-full-4096 --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
-            --measure-host-update --steps 5 --optimizers gpu_adamw,offload_grads_nomaster,torchao,bnb_paged8bit
+            --measure-host-update --steps 5 --optimizers gpu_adamw,offload_grads_nomaster,offload_grads_nomaster_delayed,torchao,bnb_paged8bit
         bench llama3_1_8b-full-16384-ga4-ac --model llama3_1_8b --job full --tokens-per-step 16384 --seq-len 2048 \
             --grad-accum 4 --activation-checkpointing --steps 4 --warmup 1 \
-            --optimizers gpu_adamw,offload_grads_nomaster,torchao,bnb_paged8bit ;;
+            --optimizers gpu_adamw,offload_grads_nomaster,offload_grads_nomaster_delayed,torchao,bnb_paged8bit ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done

@@ -97,6 +97,12 @@ class HostSlot:
     weight_stage: Optional[torch.Tensor]
     # Offloaded-gradient bookkeeping (see CPUOffloadOptimizer._offload_grad).
     has_grad: bool = False
+    # delayed_update: the second gradient buffer (the other one feeds the running update),
+    # and whether the updated weight may go to the device (ready, and no longer in use).
+    grad_spare: Optional[torch.Tensor] = None
+    push_ready: bool = False
+    free_to_push: bool = False
+    push_event: object = None
     grad_event: object = None
     incoming: Optional[torch.Tensor] = None
     incoming_event: object = None
@@ -108,7 +114,7 @@ class HostSlot:
 
 
 def build_slots(
-    params: list[torch.Tensor], master_weights: bool, arena: HostArena
+    params: list[torch.Tensor], master_weights: bool, arena: HostArena, spare_grads: bool = False
 ) -> list[HostSlot]:
     """Allocate host buffers for ``params`` and copy their current values into the masters.
 
@@ -124,6 +130,7 @@ def build_slots(
     masters: dict[int, torch.Tensor] = {}
     grads: dict[int, torch.Tensor] = {}
     stages: dict[int, torch.Tensor] = {}
+    spares: dict[int, torch.Tensor] = {}
     for dtype, idx in by_dtype.items():
         mdtype = master_dtype_for(params[idx[0]], master_weights)
         sizes = [numels[i] for i in idx]
@@ -135,6 +142,9 @@ def build_slots(
         if mdtype != dtype:
             for i, buf in zip(idx, arena.allocate(sizes, dtype)):
                 stages[i] = buf
+        if spare_grads:
+            for i, buf in zip(idx, arena.allocate(sizes, dtype)):
+                spares[i] = buf
         _copy_weights_in([params[i] for i in idx], master_views, grad_views)
 
     slots = []
@@ -146,6 +156,7 @@ def build_slots(
                 master=master,
                 grad=grads[i].view(p.shape),
                 weight_stage=stages[i].view(p.shape) if i in stages else None,
+                grad_spare=spares[i].view(p.shape) if i in spares else None,
             )
         )
     return slots

@@ -37,14 +37,20 @@ def state_tensors_per_param(optimizer_cls: type, kwargs: dict) -> int:
     return 2
 
 
-def bytes_needed(params, master_weights: bool, state_tensors: int) -> int:
-    """Host bytes for master weights, gradient and staging buffers, and optimizer state."""
+def bytes_needed(
+    params, master_weights: bool, state_tensors: int, extra_grad_buffers: int = 0
+) -> int:
+    """Host bytes for master weights, gradient and staging buffers, and optimizer state.
+
+    ``extra_grad_buffers``: further gradient-sized buffers per parameter (the delayed
+    update's second gradient buffer and landing buffer).
+    """
     total = 0
     for p in params:
         master = torch.empty((), dtype=master_dtype_for(p, master_weights)).element_size()
         own = p.element_size()
         stage = own if master != own else 0
-        total += p.numel() * (master + own + stage + state_tensors * master)
+        total += p.numel() * (master + own * (1 + extra_grad_buffers) + stage + state_tensors * master)
     return total
 
 

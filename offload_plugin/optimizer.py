@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
+import threading
 from collections.abc import MutableMapping
+from functools import partial
 from itertools import chain
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
@@ -139,6 +142,17 @@ class CPUOffloadOptimizer(Optimizer):
         check_host_memory (bool): before allocating, compare the host memory needed with
             what this process may use (MemAvailable, cgroup limit) and raise
             ``HostMemoryError`` naming both if it cannot fit. Default: ``True``.
+        delayed_update (bool): opt-in, NOT exact. ``step()`` returns at once and the host
+            update runs during the next forward and backward, which therefore still use
+            the weights from before it; each gradient is applied one step late (computed
+            on weights that lack the latest update), as in DeepSpeed's delayed parameter
+            update. Hides the host update behind GPU work; costs two more gradient-sized
+            host buffers with ``offload_gradients``. Updated weights are copied back as
+            each parameter's gradient is final in the next step's last backward (see
+            :meth:`overlap_next_step`), else at the next ``step()``. ``state_dict()``
+            completes the pending update first. Default: ``False``.
+        host_threads (int, optional): CPU threads for the host update. Default: all but
+            one with a GPU (that core launches the GPU work), all without one.
         **optimizer_kwargs: hyperparameters for ``optimizer_cls`` (``lr``, ``betas``,
             ``weight_decay``, ``fused``, ...).
 
@@ -165,6 +179,8 @@ class CPUOffloadOptimizer(Optimizer):
         pin_memory: bool = True,
         nonfinite_grads: str = "skip",
         check_host_memory: bool = True,
+        delayed_update: bool = False,
+        host_threads: Optional[int] = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if nonfinite_grads not in NONFINITE_POLICIES:
@@ -178,6 +194,10 @@ class CPUOffloadOptimizer(Optimizer):
         self.offload_gradients = offload_gradients
         self.master_weights = master_weights
         self.pin_memory = pin_memory
+        self.delayed_update = bool(delayed_update)
+        if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
+            raise ValueError(f"host_threads must be a positive int or None, got {host_threads!r}")
+        self.host_threads = host_threads
         self._optimizer_kwargs = optimizer_kwargs
         # Validates every hyperparameter with optimizer_cls's own checks and messages
         # ("Invalid learning rate: -1.0") before anything is allocated or hooked.
@@ -194,6 +214,12 @@ class CPUOffloadOptimizer(Optimizer):
         # While a step's updates are being submitted: hyperparameters, grad scale and the
         # parameters already handed to the worker (see overlap_next_step).
         self._overlap: Optional[dict] = None
+        # delayed_update: the update running in the background, the flag that the current
+        # backward is the last before step(), and a grad_scale to apply before step().
+        self._pending: Optional[dict] = None
+        self._final_backward = False
+        self._deferred_scale: Optional[float] = None
+        self._push_lock = threading.Lock()
         self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0}
         self._scaled_since_zero_grad = False
         self._warned_unscaled = False
@@ -265,11 +291,15 @@ class CPUOffloadOptimizer(Optimizer):
             self._setup_device(params[0].device)
         if params and self.check_host_memory:
             state = host_memory.state_tensors_per_param(self.optimizer_cls, group)
+            spares = 2 if self.delayed_update and self.offload_gradients else 0
             host_memory.check(
-                host_memory.bytes_needed(params, self.master_weights, state),
+                host_memory.bytes_needed(params, self.master_weights, state, spares),
                 sum(p.numel() for p in params), self.master_weights,
             )
-        slots = build_slots(params, self.master_weights, self._arena) if params else []
+        slots = build_slots(
+            params, self.master_weights, self._arena,
+            spare_grads=self.delayed_update and self.offload_gradients,
+        ) if params else []
         host_group = {k: v for k, v in group.items() if k != "params"}
         host_group["params"] = [s.master for s in slots]
         if self._host_optimizer is None:
@@ -292,7 +322,9 @@ class CPUOffloadOptimizer(Optimizer):
         self._arena = HostArena(pin=pin)
         # With a GPU, leave a core to the training thread for launching kernels.
         threads = torch.get_num_threads()
-        self._worker = HostWorker(max(1, threads - 1) if self._transfers.is_async else threads)
+        if self.host_threads is None:
+            self.host_threads = max(1, threads - 1) if self._transfers.is_async else threads
+        self._worker = HostWorker(self.host_threads)
         if device.type != "cuda":
             log.info(
                 "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the update "
@@ -316,9 +348,10 @@ class CPUOffloadOptimizer(Optimizer):
             # Gradient accumulation: land the new gradient beside the running sum and add
             # it on the host, in the gradient's dtype as autograd would on the device.
             self._settle(slot)
-            if slot.incoming is None:
+            if slot.incoming is None and not self.delayed_update:
                 # The weight stage is idle until this step's update (its last copy to the
-                # device is ordered before this backward): land the gradient there.
+                # device is ordered before this backward): land the gradient there. Not
+                # with delayed_update, whose update writes the stage during this backward.
                 slot.incoming = slot.weight_stage
             if slot.incoming is None:
                 slot.incoming = torch.empty_like(slot.grad, pin_memory=self._arena.pin)
@@ -327,6 +360,8 @@ class CPUOffloadOptimizer(Optimizer):
         param.grad = None
         if self._overlap is not None:
             self._submit_update(slot)
+        elif self._final_backward:
+            self._release_for_push(slot)
 
     def _settle(self, slot: HostSlot) -> None:
         """Wait for a slot's gradient copies and add an accumulated one to the running sum."""
@@ -356,7 +391,13 @@ class CPUOffloadOptimizer(Optimizer):
                 "gradients. Pass grad_scale to overlap_next_step() instead, and don't "
                 "overlap steps that clip."
             )
-        return self._ready_grads()
+        grads = self._ready_grads()
+        if self._deferred_scale is not None:
+            # delayed_update: overlap_next_step's grad_scale, applied before anything reads
+            # the gradients, as if scale_grads() had been called right after backward.
+            factor, self._deferred_scale = self._deferred_scale, None
+            self._scale(grads, factor)
+        return grads
 
     @torch.no_grad()
     def scale_grads(self, factor: Union[float, torch.Tensor]) -> None:
@@ -365,7 +406,14 @@ class CPUOffloadOptimizer(Optimizer):
         Equivalent to torchtune's ``training.scale_grads(model, factor)``, which cannot
         reach offloaded gradients (they are ``None`` on the model).
         """
-        grads = self._grads_in_place("scale_grads()")
+        if self._final_backward and self._deferred_scale is not None:
+            raise RuntimeError(
+                "scale_grads() after overlap_next_step(grad_scale=...): the scale is "
+                "already applied once; call one or the other."
+            )
+        self._scale(self._grads_in_place("scale_grads()"), factor)
+
+    def _scale(self, grads: list[torch.Tensor], factor: Union[float, torch.Tensor]) -> None:
         by_device: dict[torch.device, list[torch.Tensor]] = {}
         for g in grads:
             by_device.setdefault(g.device, []).append(g)
@@ -411,7 +459,8 @@ class CPUOffloadOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
-        self._worker.drain()
+        if not self.delayed_update:  # its running update reads its own gradient buffer
+            self._worker.drain()
         super().zero_grad(set_to_none)
         self._finite.clear()
         for slot in self._slot_list:
@@ -445,20 +494,30 @@ class CPUOffloadOptimizer(Optimizer):
                 "overlap_next_step() needs CPUOffloadOptimizer(offload_gradients=True)."
             )
         self._scaled_since_zero_grad = True
+        if self.delayed_update:
+            # The update itself already runs in the background; this backward only tells
+            # when each parameter is free to receive its updated weight. Clipping is fine.
+            self._final_backward = True
+            self._deferred_scale = grad_scale
+            return
         self._overlap = self._prepare_updates(grad_scale, check_each=True)
 
     @property
     def overlapping(self) -> bool:
         """True between ``overlap_next_step()`` and the ``step()`` that completes it."""
-        return self._overlap is not None
+        return self._overlap is not None or self._final_backward
 
-    def _prepare_updates(self, grad_scale: Optional[float], check_each: bool) -> dict:
+    def _prepare_updates(
+        self, grad_scale: Optional[float], check_each: bool, wait_pushes: bool = True
+    ) -> dict:
         """Sync hyperparameters and make the host buffers safe to overwrite."""
         for outer, inner in zip(self.param_groups, self._host_optimizer.param_groups):
             # Schedulers write lr/betas/momentum into our groups; the host update reads them.
             inner.update({k: v for k, v in outer.items() if k != "params"})
-        # The previous step's weight copies read master/weight_stage: let them finish.
-        Transfers.wait(self._last_push)
+        if wait_pushes:
+            # The previous step's weight copies read master/weight_stage: let them finish.
+            # (delayed_update waits per parameter, in its jobs.)
+            Transfers.wait(self._last_push)
         groups = {m: g for g in self._host_optimizer.param_groups for m in g["params"]}
         return {
             "groups": groups, "grad_scale": grad_scale, "submitted": set(),
@@ -496,6 +555,9 @@ class CPUOffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.delayed_update:
+            self._step_delayed()
+            return loss
         try:
             if self._overlap is None:
                 self._warn_if_unscaled()
@@ -529,6 +591,81 @@ class CPUOffloadOptimizer(Optimizer):
                     slot.has_grad = False
             self._transfers.order_compute_after(self._last_push)
         return loss
+
+    # ------------------------------------------------------------------ delayed update
+    def _step_delayed(self) -> None:
+        """Finish the previous step's update, then start this one's and return."""
+        try:
+            self._finish_pending()
+            grads = self._grads_in_place("step()")
+            self._warn_if_unscaled()
+            if not self._grads_finite(grads):
+                self._nonfinite_step(updated=0, skipped=len(grads))
+                return
+            if not self.offload_gradients:
+                for slot in self._slots():
+                    if slot.param.grad is not None:
+                        slot.grad_event = self._transfers.to_host([(slot.param.grad, slot.grad)])
+                        slot.has_grad = True
+            plan = self._prepare_updates(grad_scale=None, check_each=False, wait_pushes=False)
+            for slot in self._slots():
+                if not slot.has_grad:
+                    continue
+                job_slot = dataclasses.replace(slot)  # this step's gradient buffer and events
+                if slot.grad_spare is not None:  # the next backward lands in the other one
+                    slot.grad, slot.grad_spare = slot.grad_spare, slot.grad
+                slot.has_grad, slot.grad_event = False, None
+                plan["submitted"].add(slot.master)
+                self._worker.submit(partial(self._delayed_update, slot, job_slot, plan))
+            self._pending = plan
+        finally:
+            self._final_backward, self._deferred_scale = False, None
+            if not self.offload_gradients:
+                for slot in self._slot_list:
+                    slot.has_grad = False
+
+    def _delayed_update(self, slot: HostSlot, job_slot: HostSlot, plan: dict) -> None:
+        """Worker job: update one parameter, then send it if the device is done with it."""
+        Transfers.wait(slot.push_event)  # the previous weight has left the stage
+        self._settle(job_slot)
+        update_slots(self._host_optimizer, plan["groups"], [job_slot])
+        with self._push_lock:
+            slot.push_ready = True
+            if slot.free_to_push:
+                self._push(slot)
+
+    def _release_for_push(self, slot: HostSlot) -> None:
+        """The last backward before step() is done with ``slot``'s weight."""
+        with self._push_lock:
+            if self._pending is not None and slot.master in self._pending["submitted"]:
+                slot.free_to_push = True
+                if slot.push_ready:
+                    self._push(slot)
+
+    def _push(self, slot: HostSlot) -> None:
+        """Copy an updated weight to the device (caller holds ``_push_lock``)."""
+        slot.push_event = self._transfers.to_device([(slot.weight_source(), slot.param.detach())])
+        self._last_push = slot.push_event  # copies complete in issue order
+        slot.push_ready = slot.free_to_push = False
+
+    def _finish_pending(self) -> None:
+        """Wait for the background update and put all of its weights on the device."""
+        plan = self._pending
+        if plan is None:
+            return
+        try:
+            with self._push_lock:
+                for slot in self._slot_list:
+                    if slot.master in plan["submitted"]:
+                        slot.free_to_push = True
+                        if slot.push_ready:
+                            self._push(slot)
+            self._worker.drain()  # jobs that finish now push their own weights
+        finally:
+            self._pending = None
+            for slot in self._slot_list:
+                slot.push_ready = slot.free_to_push = False
+            self._transfers.order_compute_after(self._last_push)
 
     def _ready_grads(self) -> list[torch.Tensor]:
         """The gradients the next update would use (device .grad, or settled host copies)."""
@@ -578,9 +715,12 @@ class CPUOffloadOptimizer(Optimizer):
         fp32 master is saved under ``"master_weight"`` so that a resume continues exactly;
         torch's optimizers ignore that key when loading.
         """
+        self._finish_pending()
         sd = super().state_dict()
         for index, slot in enumerate(self._slots()):
-            if slot.weight_stage is not None:
+            # delayed_update saves every host weight: a model checkpoint written before
+            # this call holds the weights from before the update it just completed.
+            if slot.weight_stage is not None or self.delayed_update:
                 sd["state"].setdefault(index, {})[MASTER_KEY] = slot.master
         return sd
 
@@ -598,6 +738,7 @@ class CPUOffloadOptimizer(Optimizer):
             ValueError: the state dict does not match this optimizer's groups, parameter
                 counts, parameter shapes or optimizer class; the message says what differs.
         """
+        self._finish_pending()
         state_dict = dict(state_dict)
         for hook in self._optimizer_load_state_dict_pre_hooks.values():
             state_dict = hook(self, state_dict) or state_dict
@@ -642,6 +783,10 @@ class CPUOffloadOptimizer(Optimizer):
         for index, slot in enumerate(slots):
             if index in masters:
                 slot.master.copy_(masters[index])
+                # The device weight follows the saved master: equal to the model checkpoint's
+                # weight normally, newer when delayed_update completed an update on saving.
+                with torch.no_grad():
+                    slot.param.copy_(slot.master)
             else:
                 slot.master.copy_(slot.param.detach())
         for hook in self._optimizer_load_state_dict_post_hooks.values():
@@ -715,5 +860,6 @@ class CPUOffloadOptimizer(Optimizer):
         return (
             f"{type(self).__name__}(optimizer_cls={self.optimizer_cls.__name__}, "
             f"offload_gradients={self.offload_gradients}, "
-            f"master_weights={self.master_weights}) ({body}"
+            f"master_weights={self.master_weights}, "
+            f"delayed_update={self.delayed_update}) ({body}"
         )

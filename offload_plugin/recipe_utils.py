@@ -46,14 +46,18 @@ def overlap_last_backward(
 ) -> bool:
     """Before the last backward of a step, let the host updates start during it.
 
-    Only for ``CPUOffloadOptimizer(offload_gradients=True)`` and without clipping, which
-    needs every gradient before any update. Exact: the optimizer applies ``1/num_tokens``
-    inside each update instead of ``scale_grads`` afterwards, which then does nothing.
+    Only for ``CPUOffloadOptimizer(offload_gradients=True)``, and without clipping, which
+    needs every gradient before any update, unless ``delayed_update`` (whose update starts
+    after step() anyway: here it learns when each updated weight may return early). Exact:
+    the optimizer applies ``1/num_tokens`` itself instead of ``scale_grads`` afterwards,
+    which then does nothing.
 
     Returns:
-        bool: whether the updates will overlap backward.
+        bool: whether the optimizer takes over the ``1/num_tokens`` scaling.
     """
-    if not (_is_offload(optimizer) and optimizer.offload_gradients and clip_grad_norm is None):
+    if not (_is_offload(optimizer) and optimizer.offload_gradients):
+        return False
+    if clip_grad_norm is not None and not optimizer.delayed_update:
         return False
     optimizer.overlap_next_step(grad_scale=1.0 / float(num_tokens))
     return True
