@@ -395,8 +395,12 @@ def _version(pkg):
 
 def _git_commit():
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or None
+        git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True,  # noqa: E731
+                                        text=True, timeout=10).stdout.strip()
+        head = git("rev-parse", "HEAD") or None
+        # Uncommitted changes to the code make HEAD a wrong label for the numbers.
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", "offload_plugin", "bench")
+        return f"{head}+uncommitted" if head and dirty else head
     except (OSError, subprocess.SubprocessError):
         return None
 

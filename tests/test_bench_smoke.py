@@ -1,4 +1,5 @@
-"""bench/bench_train.py end to end on CPU: a tiny model, three optimizers, numbers in the JSON."""
+"""bench/ scripts end to end on CPU: bench_train.py (a tiny model, numbers in the JSON),
+host_update_rate.py and report.py, as the README names them."""
 
 import json
 import subprocess
@@ -6,7 +7,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-OPTIMIZERS = ["gpu_adamw", "offload", "offload_grads"]
+OPTIMIZERS = ["gpu_adamw", "offload", "offload_grads", "offload_grads_delayed"]
 
 
 def test_bench_train_tiny_cpu_smoke(tmp_path):
@@ -30,3 +31,19 @@ def test_bench_train_tiny_cpu_smoke(tmp_path):
     assert results["offload"]["host_update_s"] > 0
     assert run["cpu_adamw_reference"]["gparams_s"] > 0
     assert "| offload |" in proc.stdout
+
+
+def test_host_update_rate_and_report_run(tmp_path):
+    """The README's host-rate command (on a small parameter) and the report over the results."""
+    rate = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "host_update_rate.py"), "--numel", str(1 << 16),
+         "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert rate.returncode == 0, rate.stderr[-2000:]
+    assert "torch AdamW(fused) fp32" in rate.stdout and "offload update" in rate.stdout
+    assert "memory bandwidth" in rate.stdout
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "report.py")],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert report.returncode == 0, report.stderr[-2000:]
+    # Every committed result appears, with its ratio column.
+    assert report.stdout.count("### ") == len(list((REPO / "bench" / "results").glob("*.json")))
+    assert "| gpu_adamw |" in report.stdout
