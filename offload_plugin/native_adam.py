@@ -51,10 +51,18 @@ def _torch_openmp() -> Optional[Path]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("OFFLOAD_PLUGIN_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "offload_plugin"
-    )
-    return Path(root)
+    """$OFFLOAD_PLUGIN_CACHE, else ~/.cache/offload_plugin, else a per-user temp folder."""
+    explicit = os.environ.get("OFFLOAD_PLUGIN_CACHE")
+    if explicit:
+        return Path(explicit)
+    home = Path(os.path.expanduser("~")) / ".cache" / "offload_plugin"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"offload_plugin-{os.getuid()}"
 
 
 def _build() -> Path:
