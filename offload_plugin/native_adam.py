@@ -50,6 +50,10 @@ def _torch_openmp() -> Optional[Path]:
     return Path(found[0]) if found else None
 
 
+def _writable(path: Path) -> bool:
+    return os.access(path, os.W_OK)
+
+
 def _cache_dir() -> Path:
     """$OFFLOAD_PLUGIN_CACHE, else ~/.cache/offload_plugin, else a per-user temp folder."""
     explicit = os.environ.get("OFFLOAD_PLUGIN_CACHE")
@@ -58,7 +62,7 @@ def _cache_dir() -> Path:
     home = Path(os.path.expanduser("~")) / ".cache" / "offload_plugin"
     try:
         home.mkdir(parents=True, exist_ok=True)
-        if os.access(home, os.W_OK):
+        if _writable(home):
             return home
     except OSError:
         pass
