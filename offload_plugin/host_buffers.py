@@ -17,6 +17,8 @@ from typing import Optional
 
 import torch
 
+from offload_plugin.distributed import local_part
+
 __all__ = ["HostSlot", "HostArena", "master_dtype_for"]
 
 log = logging.getLogger(__name__)
@@ -112,17 +114,29 @@ class HostSlot:
         """The host tensor whose values are copied into the device parameter."""
         return self.master if self.weight_stage is None else self.weight_stage
 
+    def device_weight(self) -> torch.Tensor:
+        """Where updated weights go: the parameter, or its local shard if it is a DTensor.
+
+        Detached, so that the in-place copy is legal from any thread (grad mode is
+        per thread, and the host worker's is on).
+        """
+        return local_part(self.param).detach()
+
 
 def build_slots(
     params: list[torch.Tensor], master_weights: bool, arena: HostArena, spare_grads: bool = False
 ) -> list[HostSlot]:
     """Allocate host buffers for ``params`` and copy their current values into the masters.
 
+    A DTensor parameter (FSDP2) gets buffers for its local shard only, which may be
+    empty when the shards are uneven.
+
     From a GPU the weights come over in their own dtype into the (pinned) gradient
     buffers, asynchronously, and are widened to fp32 on the host in one pass per block:
     much faster than a synchronous, pageable copy per tensor.
     """
-    numels = [p.numel() for p in params]
+    shards = [local_part(p).detach() for p in params]
+    numels = [s.numel() for s in shards]
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, p in enumerate(params):
         by_dtype.setdefault(p.dtype, []).append(i)
@@ -145,18 +159,18 @@ def build_slots(
         if spare_grads:
             for i, buf in zip(idx, arena.allocate(sizes, dtype)):
                 spares[i] = buf
-        _copy_weights_in([params[i] for i in idx], master_views, grad_views)
+        _copy_weights_in([shards[i] for i in idx], master_views, grad_views)
 
     slots = []
-    for i, p in enumerate(params):
-        master = masters[i].view(p.shape)
+    for i, (p, shard) in enumerate(zip(params, shards)):
+        shape = shard.shape
         slots.append(
             HostSlot(
                 param=p,
-                master=master,
-                grad=grads[i].view(p.shape),
-                weight_stage=stages[i].view(p.shape) if i in stages else None,
-                grad_spare=spares[i].view(p.shape) if i in spares else None,
+                master=masters[i].view(shape),
+                grad=grads[i].view(shape),
+                weight_stage=stages[i].view(shape) if i in stages else None,
+                grad_spare=spares[i].view(shape) if i in spares else None,
             )
         )
     return slots

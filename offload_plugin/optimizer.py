@@ -20,7 +20,8 @@ from offload_plugin.checkpoint_compat import (
     is_torchao_state_dict,
 )
 from offload_plugin.grad_checks import NONFINITE_POLICIES, FiniteRecord, all_finite
-from offload_plugin import host_memory
+from offload_plugin import distributed, host_memory
+from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.host_buffers import HostArena, HostSlot, build_slots
 from offload_plugin.host_update import update_slots
 from offload_plugin.host_worker import HostWorker
@@ -206,6 +207,9 @@ class CPUOffloadOptimizer(Optimizer):
         self._host_optimizer: Optional[Optimizer] = None
         self._slot_list: list[HostSlot] = []
         self._slot_of: dict[torch.Tensor, HostSlot] = {}
+        # Device meshes of DTensor (FSDP2) parameters: the ranks whose gradients count in
+        # the clipping norm and in the decision to skip a non-finite step. Empty otherwise.
+        self._meshes: list = []
         self._hooks: list = []
         self._transfers: Optional[Transfers] = None
         self._arena: Optional[HostArena] = None
@@ -289,12 +293,14 @@ class CPUOffloadOptimizer(Optimizer):
             )
         if params and self._transfers is None:
             self._setup_device(params[0].device)
+        # A DTensor (FSDP2) parameter costs this rank only its local shard.
+        shards = [local_part(p) for p in params]
         if params and self.check_host_memory:
             state = host_memory.state_tensors_per_param(self.optimizer_cls, group)
             spares = 2 if self.delayed_update and self.offload_gradients else 0
             host_memory.check(
-                host_memory.bytes_needed(params, self.master_weights, state, spares),
-                sum(p.numel() for p in params), self.master_weights,
+                host_memory.bytes_needed(shards, self.master_weights, state, spares),
+                sum(p.numel() for p in shards), self.master_weights,
             )
         slots = build_slots(
             params, self.master_weights, self._arena,
@@ -313,8 +319,9 @@ class CPUOffloadOptimizer(Optimizer):
                 self._hooks.append(
                     slot.param.register_post_accumulate_grad_hook(self._offload_grad)
                 )
+        self._meshes = distributed.meshes_of(s.param for s in self._slot_list)
         self._counts["kept"] += len(params)
-        self._counts["kept_numel"] += sum(p.numel() for p in params)
+        self._counts["kept_numel"] += sum(p.numel() for p in shards)
 
     def _setup_device(self, device: torch.device) -> None:
         self._transfers = Transfers(device)
@@ -339,8 +346,8 @@ class CPUOffloadOptimizer(Optimizer):
     def _offload_grad(self, param: torch.Tensor) -> None:
         """Backward hook (offload_gradients=True): move ``param.grad`` to the host, free it."""
         slot = self._slot_of[param]
-        grad = param.grad
-        _check_dense(grad)
+        _check_dense(param.grad)
+        grad = local_part(param.grad)
         if not slot.has_grad:
             slot.grad_event = self._transfers.to_host([(grad, slot.grad)])
             slot.has_grad = True
@@ -444,12 +451,25 @@ class CPUOffloadOptimizer(Optimizer):
     ) -> torch.Tensor:
         """Clip all trainable gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``.
 
+        With DTensor (FSDP2) parameters the norm covers every rank's shards, and all
+        ranks clip by the same coefficient, as torch's ``clip_grad_norm_`` over the model
+        would; every rank must call it.
+
         Returns:
             torch.Tensor: the total norm over ALL trainable parameters before clipping (on
-            the host when gradients are offloaded).
+            the host when gradients are offloaded); a plain tensor, the global norm, also
+            for sharded parameters.
+
+        Raises:
+            ValueError: sharded parameters with a ``norm_type`` other than inf or a
+                positive number.
         """
         grads = self._grads_in_place("clip_grad_norm_()")
-        total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if self._meshes:
+            params = [p for p, _ in self._ready_pairs()]
+            total = distributed.global_total_norm(params, grads, norm_type, error_if_nonfinite, foreach)
+        else:
+            total = torch.nn.utils.get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula
         for g in grads:
             g.mul_(coef.to(g.device))
@@ -500,6 +520,14 @@ class CPUOffloadOptimizer(Optimizer):
             self._final_backward = True
             self._deferred_scale = grad_scale
             return
+        if self._meshes:
+            # Sharded: an update that starts during backward must judge its gradient
+            # alone, and a NaN on another rank would then be skipped there but applied
+            # here. Only the gradient transfers overlap; step() scales by grad_scale, agrees
+            # on the verdict with the other ranks, then updates.
+            self._final_backward = True
+            self._deferred_scale = grad_scale
+            return
         self._overlap = self._prepare_updates(grad_scale, check_each=True)
 
     @property
@@ -536,9 +564,7 @@ class CPUOffloadOptimizer(Optimizer):
                 plan["nonfinite"].append(slot)
                 return
             update_slots(self._host_optimizer, plan["groups"], [slot], plan["grad_scale"])
-            self._last_push = self._transfers.to_device(
-                [(slot.weight_source(), slot.param.detach())]
-            )
+            self._last_push = self._transfers.to_device([(slot.weight_source(), slot.device_weight())])
 
         self._worker.submit(update)
 
@@ -561,7 +587,9 @@ class CPUOffloadOptimizer(Optimizer):
         try:
             if self._overlap is None:
                 self._warn_if_unscaled()
-                grads = self._ready_grads()
+                # A grad_scale that overlap_next_step deferred (sharded parameters) is
+                # applied by _grads_in_place.
+                grads = self._grads_in_place("step()") if self._final_backward else self._ready_grads()
                 if not self._grads_finite(grads):
                     self._nonfinite_step(updated=0, skipped=len(grads))
                     return loss
@@ -569,7 +597,7 @@ class CPUOffloadOptimizer(Optimizer):
                     # The recipe has finished with .grad (scaling, clipping): copy it now.
                     for slot in self._slots():
                         if slot.param.grad is not None:
-                            slot.grad_event = self._transfers.to_host([(slot.param.grad, slot.grad)])
+                            slot.grad_event = self._transfers.to_host([(local_part(slot.param.grad), slot.grad)])
                             slot.has_grad = True
                 self._overlap = self._prepare_updates(grad_scale=None, check_each=False)
             plan = self._overlap
@@ -586,6 +614,7 @@ class CPUOffloadOptimizer(Optimizer):
                 )
         finally:
             self._overlap = None
+            self._final_backward, self._deferred_scale = False, None
             if not self.offload_gradients:
                 for slot in self._slot_list:
                     slot.has_grad = False
@@ -605,7 +634,7 @@ class CPUOffloadOptimizer(Optimizer):
             if not self.offload_gradients:
                 for slot in self._slots():
                     if slot.param.grad is not None:
-                        slot.grad_event = self._transfers.to_host([(slot.param.grad, slot.grad)])
+                        slot.grad_event = self._transfers.to_host([(local_part(slot.param.grad), slot.grad)])
                         slot.has_grad = True
             plan = self._prepare_updates(grad_scale=None, check_each=False, wait_pushes=False)
             for slot in self._slots():
@@ -644,7 +673,7 @@ class CPUOffloadOptimizer(Optimizer):
 
     def _push(self, slot: HostSlot) -> None:
         """Copy an updated weight to the device (caller holds ``_push_lock``)."""
-        slot.push_event = self._transfers.to_device([(slot.weight_source(), slot.param.detach())])
+        slot.push_event = self._transfers.to_device([(slot.weight_source(), slot.device_weight())])
         self._last_push = slot.push_event  # copies complete in issue order
         slot.push_ready = slot.free_to_push = False
 
@@ -669,16 +698,23 @@ class CPUOffloadOptimizer(Optimizer):
 
     def _ready_grads(self) -> list[torch.Tensor]:
         """The gradients the next update would use (device .grad, or settled host copies)."""
+        return [g for _, g in self._ready_pairs()]
+
+    def _ready_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, gradient)`` for :meth:`_ready_grads`; a DTensor's gradient as its local shard."""
         if self.offload_gradients:
-            return [s.grad for s in self._settled_host_grads()]
-        grads = [s.param.grad for s in self._slots() if s.param.grad is not None]
-        for g in grads:
+            return [(s.param, s.grad) for s in self._settled_host_grads()]
+        pairs = [(s.param, s.param.grad) for s in self._slots() if s.param.grad is not None]
+        for _, g in pairs:
             _check_dense(g)
-        return grads
+        return [(p, local_part(g)) for p, g in pairs]
 
     def _grads_finite(self, grads: list[torch.Tensor]) -> bool:
         known = self._finite.finite(grads)  # from scale_grads/clip_grad_norm_, if current
-        return all_finite(grads) if known is None else known
+        finite = all_finite(grads) if known is None else known
+        # Sharded: a rank skipping a step the others take would desynchronize the replicas
+        # for good, so one rank's inf/NaN skips the step everywhere.
+        return not distributed.any_rank(not finite, self._meshes)
 
     def _nonfinite_step(self, updated: int, skipped: int) -> None:
         what = (
@@ -696,6 +732,10 @@ class CPUOffloadOptimizer(Optimizer):
         log.warning("CPUOffloadOptimizer: %s.", what)
 
     def _warn_if_unscaled(self) -> None:
+        # torch.distributed.checkpoint's get/set_optimizer_state_dict create the state with
+        # a step on zero gradients at lr=0, which scales nothing and must not use up the warning.
+        if all(float(g["lr"]) == 0 for g in self.param_groups):
+            return
         if self.offload_gradients and not self._scaled_since_zero_grad and not self._warned_unscaled:
             self._warned_unscaled = True
             log.warning(
@@ -714,15 +754,46 @@ class CPUOffloadOptimizer(Optimizer):
         State tensors are the host copies. With master weights, each bf16/fp16 parameter's
         fp32 master is saved under ``"master_weight"`` so that a resume continues exactly;
         torch's optimizers ignore that key when loading.
+
+        For a DTensor (FSDP2) parameter, state shaped like its local shard is returned as
+        a DTensor laid out like the parameter (still backed by host memory), which is what
+        ``get_optimizer_state_dict`` and ``torch.distributed.checkpoint`` gather or save
+        by shard; scalar state such as ``step`` stays a plain tensor.
+
+        Raises:
+            ValueError: a DTensor parameter has state with dimensions that is not shaped
+                like its shard (e.g. factored state), which cannot be saved per shard.
         """
         self._finish_pending()
         sd = super().state_dict()
+        # torch's packing hands out the host optimizer's live per-parameter dicts: copy
+        # them before adding keys, so the live state never holds the master or DTensors.
+        sd["state"] = {index: dict(entry) for index, entry in sd["state"].items()}
         for index, slot in enumerate(self._slots()):
             # delayed_update saves every host weight: a model checkpoint written before
             # this call holds the weights from before the update it just completed.
             if slot.weight_stage is not None or self.delayed_update:
                 sd["state"].setdefault(index, {})[MASTER_KEY] = slot.master
+            if self._meshes and index in sd["state"]:
+                sd["state"][index] = self._shard_state(index, slot, sd["state"][index])
         return sd
+
+    @staticmethod
+    def _shard_state(index: int, slot: HostSlot, entry: dict[str, Any]) -> dict[str, Any]:
+        shard = slot.master.shape
+        out = {}
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                if value.shape != shard:
+                    raise ValueError(
+                        f"state {index}[{key!r}] has shape {tuple(value.shape)}, but its "
+                        f"parameter's local shard is {tuple(shard)}: a sharded checkpoint "
+                        f"cannot hold it. {type(slot.param).__name__} parameters need an "
+                        "optimizer_cls whose state is shaped like the parameter (AdamW, SGD, ...)."
+                    )
+                value = distributed.shard_like(value, slot.param)
+            out[key] = value
+        return out
 
     def load_state_dict(
         self, state_dict: dict[str, Any], torchao_minimal_size: int = TORCHAO_MINIMAL_SIZE
@@ -759,9 +830,17 @@ class CPUOffloadOptimizer(Optimizer):
             raise
 
         slots = list(self._slots())
+        slot_of = dict(
+            zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]), slots)
+        )
         masters, state = {}, {}
         for index, entry in state_dict["state"].items():
-            entry = dict(entry)
+            # DTensor state (FSDP2 checkpoints) or full tensors: this rank's shard.
+            param = slot_of[index].param
+            entry = {
+                k: distributed.to_local_value(v, param) if isinstance(v, torch.Tensor) else v
+                for k, v in entry.items()
+            }
             if MASTER_KEY in entry:
                 masters[index] = entry.pop(MASTER_KEY)
             # Copies, on the host: the source may live on a GPU, or be another optimizer's
@@ -780,15 +859,14 @@ class CPUOffloadOptimizer(Optimizer):
             group["params"] = params
         # A master weight comes from the checkpoint when it has one; otherwise from the
         # device weights, which the caller has loaded from the model checkpoint.
-        for index, slot in enumerate(slots):
-            if index in masters:
-                slot.master.copy_(masters[index])
+        for saved_id, slot in slot_of.items():
+            if saved_id in masters:
+                slot.master.copy_(masters[saved_id])
                 # The device weight follows the saved master: equal to the model checkpoint's
                 # weight normally, newer when delayed_update completed an update on saving.
-                with torch.no_grad():
-                    slot.param.copy_(slot.master)
+                slot.device_weight().copy_(slot.master)
             else:
-                slot.master.copy_(slot.param.detach())
+                slot.master.copy_(slot.device_weight())
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -829,12 +907,29 @@ class CPUOffloadOptimizer(Optimizer):
         for index, entry in state_dict["state"].items():
             if index not in index_of:
                 raise ValueError(f"state dict has state for unknown parameter index {index}")
-            shape = index_of[index].param.shape
+            param = index_of[index].param
+            shape = param.shape  # global for a DTensor, as is a DTensor value's
             for key, value in entry.items():
+                if isinstance(value, DTensor) and isinstance(param, DTensor) and (
+                    value.device_mesh != param.device_mesh
+                ):
+                    raise ValueError(
+                        f"state dict entry {index}[{key!r}] is a DTensor on {value.device_mesh}, "
+                        f"its parameter is on {param.device_mesh}: load full tensors, or state "
+                        "from get_optimizer_state_dict on this model, instead."
+                    )
                 # State shaped like its parameter (exp_avg, momentum_buffer, master_weight)
                 # must match it; factored or scalar state (Adafactor, step) has fewer dims.
                 if isinstance(value, torch.Tensor) and value.dim() == len(shape) and value.dim() > 0:
                     if value.shape != shape:
+                        if isinstance(param, DTensor) and value.shape == index_of[index].master.shape:
+                            raise ValueError(
+                                f"state dict entry {index}[{key!r}] is a plain tensor shaped like "
+                                f"this rank's shard {tuple(value.shape)}, not like the parameter "
+                                f"{tuple(shape)}: which part of the parameter it holds is unknown. "
+                                "Pass DTensors (torch.distributed.checkpoint.state_dict."
+                                "get_optimizer_state_dict) or full tensors."
+                            )
                         raise ValueError(
                             f"state dict entry {index}[{key!r}] has shape {tuple(value.shape)}, "
                             f"the parameter has {tuple(shape)}: the checkpoint belongs to "

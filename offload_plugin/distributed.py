@@ -1,0 +1,196 @@
+"""DTensor parameters (FSDP2's ``fully_shard``) and the collectives the optimizer needs for them.
+
+Under FSDP2 every trainable parameter is a DTensor whose local shard is all a rank holds;
+each rank offloads and updates only that shard. Three things still need the other ranks:
+the gradient norm for clipping (a global quantity), the decision to skip a step with a
+non-finite gradient (one rank skipping alone would make the replicas diverge for good),
+and checkpoints, whose shard-shaped state must be DTensors for torch's distributed
+checkpointing to gather or reshard it (a plain per-rank tensor is silently saved as if it
+were the whole tensor). Plain tensors pass through every helper unchanged, so the
+single-device path runs the same code without collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor
+    # Private, but what torch's own FSDP2 and checkpointing build on (see shard_like and
+    # to_local_value); torch offers no public way to do either without moving data.
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+else:  # a torch built without distributed support has no DTensors to handle
+
+    class DTensor:  # type: ignore[no-redef]  # nothing is an instance of it
+        pass
+
+__all__ = [
+    "local_part",
+    "meshes_of",
+    "any_rank",
+    "global_total_norm",
+    "shard_like",
+    "to_local_value",
+]
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: the local shard of a DTensor, else ``tensor`` itself.
+
+    The shard is the DTensor's own local tensor (under no_grad ``to_local`` returns it, not
+    a differentiable view), so repeated calls give the same object: FiniteRecord matches
+    gradients by identity. Writes into it persist; for an FSDP2 parameter the next forward
+    all-gathers them.
+    """
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():
+            return tensor.to_local()
+    return tensor
+
+
+def meshes_of(params: Iterable[torch.Tensor]) -> list:
+    """The distinct device meshes of the DTensors among ``params`` (empty for plain tensors)."""
+    meshes = []
+    for p in params:
+        if isinstance(p, DTensor) and not any(p.device_mesh is m for m in meshes):
+            meshes.append(p.device_mesh)
+    return meshes
+
+
+def _all_reduce(value: torch.Tensor, mesh, dims: Sequence[int], op) -> torch.Tensor:
+    """Reduce ``value`` over the given mesh dimensions, on the mesh's device type.
+
+    The mesh's process group has a backend for its own device type for sure (NCCL for a
+    CUDA mesh); a host tensor goes over as a one-element device copy rather than relying
+    on a ``cpu:gloo`` backend being registered beside it.
+    """
+    if not dims:
+        return value
+    work = value.detach().to(mesh.device_type, copy=True)
+    for dim in dims:
+        dist.all_reduce(work, op=op, group=mesh.get_group(dim))
+    return work.to(value.device)
+
+
+def any_rank(flag: bool, meshes: Sequence) -> bool:
+    """True if ``flag`` is true on any rank of any mesh; every rank of them must call this."""
+    if not meshes:
+        return flag
+    found = torch.tensor([1.0 if flag else 0.0])
+    for mesh in meshes:
+        found = _all_reduce(found, mesh, range(mesh.ndim), dist.ReduceOp.MAX)
+    return bool(found.item())
+
+
+def _shard_dims(param: DTensor) -> tuple[int, ...]:
+    """Mesh dimensions over which ``param`` is split; along the others ranks hold copies."""
+    return tuple(i for i, pl in enumerate(param.placements) if pl.is_shard())
+
+
+def global_total_norm(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    norm_type: float,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
+) -> torch.Tensor:
+    """The norm of all gradients over all ranks, the same tensor value on every rank.
+
+    Args:
+        params: the parameters, DTensors or plain, one per gradient (they say how each
+            gradient is split).
+        grads: the local gradients (shards for DTensor parameters), on one device.
+        norm_type: as for ``torch.nn.utils.clip_grad_norm_``; ``inf`` or a positive number.
+        error_if_nonfinite: raise on every rank if the global norm is inf or NaN.
+        foreach: accepted for torch's signature; the norms are taken per tensor.
+
+    Raises:
+        ValueError: ``norm_type`` is not ``inf`` or a positive number.
+        RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
+    """
+    norm_type = float(norm_type)
+    if not (norm_type == math.inf or norm_type > 0):
+        raise ValueError(
+            f"clip_grad_norm_ with sharded (DTensor) parameters supports norm_type=inf or "
+            f"a positive number, got {norm_type}."
+        )
+    # As torch computes it for DTensor gradients (bit for bit): each tensor's norm over
+    # all ranks (its shards' norms**p summed, or their max), then the norm of those norms.
+    # Never raise before the reduction: a rank raising alone would hang the others.
+    norms = [
+        torch.linalg.vector_norm(g, norm_type) if g.numel() else g.new_zeros(()) for g in grads
+    ]
+    by_layout: dict = {}
+    for i, p in enumerate(params):
+        if isinstance(p, DTensor):
+            by_layout.setdefault((p.device_mesh, _shard_dims(p)), []).append(i)
+    for (mesh, dims), idx in by_layout.items():
+        local = torch.stack([norms[i] for i in idx])  # one collective for all of them
+        if norm_type == math.inf:
+            reduced = _all_reduce(local, mesh, dims, dist.ReduceOp.MAX)
+        else:
+            reduced = _all_reduce(local**norm_type, mesh, dims, dist.ReduceOp.SUM) ** (1.0 / norm_type)
+        for j, i in enumerate(idx):
+            norms[i] = reduced[j]
+    if not norms:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from all ranks is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set error_if_nonfinite=False."
+        )
+    return total
+
+
+def shard_like(host: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``host`` (shaped like ``param``'s local shard) as a DTensor laid out like ``param``.
+
+    The global shape and stride are given explicitly: with uneven shards ``from_local``
+    would otherwise infer a wrong global shape. The data stays where it is: a host tensor
+    on a CUDA mesh is wrapped as FSDP2 wraps CPU-offloaded shards, since
+    ``DTensor.from_local`` would copy the whole state into GPU memory.
+    """
+    if not isinstance(param, DTensor):
+        return host
+    mesh = param.device_mesh
+    if mesh.device_type == host.device.type:
+        return DTensor.from_local(
+            host, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+    return _wrap_without_moving(host, param)
+
+
+def _wrap_without_moving(host: torch.Tensor, param: DTensor) -> DTensor:
+    spec = DTensorSpec(
+        param.device_mesh, tuple(param.placements),
+        tensor_meta=TensorMeta(param.shape, param.stride(), host.dtype),
+    )
+    return DTensor(host, spec, requires_grad=False)
+
+
+def to_local_value(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A state tensor from a checkpoint, as the part ``param``'s rank keeps (not yet copied).
+
+    A DTensor gives its local shard (redistributed first if it is laid out differently);
+    for a plain parameter, its full value. A full plain tensor shaped like a DTensor
+    parameter gives this rank's slice of it. Anything else is returned as it is.
+    """
+    if isinstance(value, DTensor):
+        if not isinstance(param, DTensor):
+            return value.full_tensor()
+        if tuple(value.placements) != tuple(param.placements):
+            value = value.redistribute(param.device_mesh, param.placements)
+        return value.to_local()
+    if isinstance(param, DTensor) and value.dim() > 0 and value.shape == param.shape:
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    return value

@@ -1,0 +1,234 @@
+"""CPUOffloadOptimizer on FSDP2 (``fully_shard``) DTensor parameters, 2 CPU processes over gloo (issue #5).
+
+Each rank offloads its own shard. The model's layers have odd sizes, so shards are
+uneven and one rank holds an empty shard of the last layer. The references: torch's
+AdamW on the unsharded model in a single process, fed the global batch (the FSDP2 model
+sees half of it on each rank); torch's AdamW on an identically sharded twin, which sees
+exactly the same gradients, for bitwise checks; and an uninterrupted run for resuming.
+Each test spawns its 2 ranks itself; no GPU, no network.
+"""
+
+import copy
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, init_device_mesh
+
+from offload_plugin import CPUOffloadOptimizer
+
+WORLD = 2
+LR, WD = 1e-2, 0.01
+pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+
+
+def _spawn(fn, tmp_path: Path, *args) -> None:
+    """Run ``fn(rank, *args)`` on 2 gloo ranks; a failure on either rank fails the test."""
+    mp.spawn(_init_and_run, args=(fn, str(tmp_path / "rendezvous"), args), nprocs=WORLD, join=True)
+
+
+def _init_and_run(rank, fn, store, args):
+    torch.set_num_threads(1)  # 2 cores for 2 ranks
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _model(dtype=torch.float32) -> torch.nn.Module:
+    """Odd sizes: 5 and 3 rows split 3/2 and 2/1; the last layer's single row leaves rank 1 nothing."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)
+    ).to(dtype)
+
+
+def _sharded(model: torch.nn.Module) -> torch.nn.Module:
+    model = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _batch(step: int, rank=None, dtype=torch.float32):
+    """The global batch of ``step`` (8 examples), or ``rank``'s half of it."""
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+    if rank is not None:
+        x, y = x[4 * rank : 4 * rank + 4], y[4 * rank : 4 * rank + 4]
+    return x.to(dtype), y.to(dtype)
+
+
+def _backward(model, step, rank=None, dtype=torch.float32):
+    # Mean over the examples: FSDP2 averages gradients over ranks, so half-batch means on
+    # 2 ranks give the gradient of the global-batch mean.
+    x, y = _batch(step, rank, dtype)
+    ((model(x) - y) ** 2).mean().backward()
+
+
+def _train(model, opt, steps, rank=None, clip=None, first_step=0, dtype=torch.float32, overlap=False):
+    norms = []
+    for step in range(first_step, first_step + steps):
+        if overlap:
+            opt.overlap_next_step(grad_scale=1.0)
+        _backward(model, step, rank, dtype)
+        if clip is not None:
+            norm = opt.clip_grad_norm_(clip) if isinstance(opt, CPUOffloadOptimizer) else (
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            )
+            norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def _full(model) -> list:
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+
+
+def _offload(model, **kwargs):
+    return CPUOffloadOptimizer(model.parameters(), lr=LR, weight_decay=WD, fused=True, **kwargs)
+
+
+def _check_matches_adamw(rank, clip):
+    base = _model()
+    reference = copy.deepcopy(base)  # one process, global batch
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
+    ref_norms = _train(reference, ref_opt, 3, clip=clip)
+    twin = _sharded(base)  # same shards, same gradients: torch's fused AdamW must agree bit for bit
+    twin_norms = _train(
+        twin, torch.optim.AdamW(twin.parameters(), lr=LR, weight_decay=WD, fused=True), 3, rank, clip
+    )
+    # Gradients copied at step(), offloaded during backward, and with overlap_next_step
+    # (which, sharded, overlaps only the transfers so that ranks agree on inf/NaN first).
+    for offload_gradients, overlap in ((False, False), (True, False), (True, True)):
+        model = _sharded(base)
+        opt = _offload(model, offload_gradients=offload_gradients)
+        # Each rank holds its own shard on the host: 3+2 rows on rank 0 of the 5-row layer.
+        assert [tuple(s.master.shape) for s in opt._slots()][:2] == ([(3, 4), (3,)] if rank == 0 else [(2, 4), (2,)])
+        norms = _train(model, opt, 3, rank, clip, overlap=overlap)
+        for got, twin_p, ref_p in zip(_full(model), _full(twin), _full(reference)):
+            assert torch.equal(got, twin_p)
+            torch.testing.assert_close(got, ref_p, rtol=1e-6, atol=1e-7)
+        for norm, twin_norm, ref_norm in zip(norms, twin_norms, ref_norms):
+            assert not isinstance(norm, DTensor)
+            torch.testing.assert_close(norm, twin_norm, rtol=1e-6, atol=0)
+            torch.testing.assert_close(norm, ref_norm, rtol=1e-6, atol=0)
+            same = [torch.zeros_like(norm) for _ in range(WORLD)]
+            dist.all_gather(same, norm)
+            assert all(torch.equal(n, norm) for n in same)  # every rank clips by the same coefficient
+    # The single process's full (unsharded) state loads too: each rank keeps its slice, and
+    # hands it back as DTensors that gather to the original.
+    opt = _offload(_sharded(base))
+    opt.load_state_dict(ref_opt.state_dict())
+    for got, want in zip(opt.state_dict()["state"].values(), ref_opt.state_dict()["state"].values()):
+        assert torch.equal(got["step"], want["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert isinstance(got[key], DTensor) and torch.equal(got[key].full_tensor(), want[key]), key
+
+
+def test_sharded_training_matches_adamw(tmp_path):
+    """3 steps on uneven shards (one empty), gradients offloaded or not, overlapped or not: bitwise equal to
+    torch's fused AdamW on the same shards, and to single-process AdamW within float noise."""
+    _spawn(_check_matches_adamw, tmp_path, None)
+
+
+def test_clip_uses_the_global_norm(tmp_path):
+    """clip_grad_norm_ returns the norm over both ranks' shards (as the single-process clip and
+    torch's clip over FSDP2 gradients do), the same on both ranks, and clips both alike."""
+    _spawn(_check_matches_adamw, tmp_path, 0.05)  # clips every step (norms ~0.5-2)
+
+
+def _check_nonfinite(rank, offload_gradients, clip):
+    model = _sharded(_model())
+    if rank == 1:  # only rank 1's shard of the first weight gets a NaN, after the reduce-scatter
+        first = next(model.parameters())
+        first.register_post_accumulate_grad_hook(lambda p: p.grad.to_local()[0].fill_(float("nan")))
+    opt = _offload(model, offload_gradients=offload_gradients)
+    before = [t.clone() for t in _full(model)]
+    _backward(model, 0, rank)
+    if clip:
+        assert torch.isnan(opt.clip_grad_norm_(1.0))  # the global norm, on both ranks
+    else:
+        opt.scale_grads(0.5)  # flags the NaN on rank 1 only; step() must tell rank 0
+    opt.step()
+    opt.zero_grad()
+    for got, want in zip(_full(model), before):
+        assert torch.equal(got, want)
+    assert len(opt.state) == 0  # nothing was updated, not even the step count
+    # The next, finite step is taken on both ranks.
+    if rank == 1:
+        first._post_accumulate_grad_hooks.clear()
+    _backward(model, 1, rank)
+    opt.step()
+    assert all(not torch.equal(g, w) for g, w in zip(_full(model), before))
+
+
+@pytest.mark.parametrize(
+    "offload_gradients, clip", [(False, False), (True, False), (False, True)], ids=["scale", "offload-scale", "clip"]
+)
+def test_nonfinite_gradient_on_one_rank_skips_the_step_on_all(tmp_path, offload_gradients, clip):
+    """A NaN in rank 1's shard only: both ranks skip the step (weights and state untouched),
+    then both take the next finite one, so the replicas stay in step."""
+    _spawn(_check_nonfinite, tmp_path, offload_gradients, clip)
+
+
+def _check_dcp_resume(rank, ckpt_dir):
+    dtype, kwargs = torch.bfloat16, {"master_weights": True}
+    base = _model(dtype)
+    straight = _sharded(base)
+    straight_opt = _offload(straight, **kwargs)
+    _train(straight, straight_opt, 4, rank, dtype=dtype)
+
+    model = _sharded(base)
+    opt = _offload(model, **kwargs)
+    _train(model, opt, 2, rank, dtype=dtype)
+    optim_sd = get_optimizer_state_dict(model, opt)
+    for name, entry in optim_sd["state"].items():  # saved by shard, fp32 masters included
+        assert isinstance(entry["exp_avg"], DTensor) and isinstance(entry["master_weight"], DTensor), name
+        assert entry["master_weight"].dtype == torch.float32
+    dcp.save({"model": get_model_state_dict(model), "optim": optim_sd}, checkpoint_id=ckpt_dir)
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    assert full["state"]["0.weight"]["exp_avg"].shape == (5, 4)  # gathered, not rank 0's 3 rows
+
+    resumed = _sharded(base)
+    opt = _offload(resumed, **kwargs)
+    # A fresh optimizer: DSD initializes its state with a step at lr=0, which must leave
+    # the weights alone and the lr as it was.
+    before = [t.clone() for t in _full(resumed)]
+    template = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opt)}
+    assert all(torch.equal(a, b) for a, b in zip(_full(resumed), before))
+    assert opt.param_groups[0]["lr"] == LR
+    dcp.load(template, checkpoint_id=ckpt_dir)
+    set_model_state_dict(resumed, template["model"])
+    set_optimizer_state_dict(resumed, opt, template["optim"])
+    _train(resumed, opt, 2, rank, first_step=2, dtype=dtype)
+    for got, want in zip(_full(resumed), _full(straight)):
+        assert torch.equal(got, want)
+    for got, want in zip(opt.state_dict()["state"].values(), straight_opt.state_dict()["state"].values()):
+        assert got.keys() == want.keys()
+        for key in want:
+            assert torch.equal(got[key].to_local() if key != "step" else got[key],
+                               want[key].to_local() if key != "step" else want[key]), key
+
+
+def test_dcp_save_load_resumes_exactly(tmp_path):
+    """bf16 model, fp32 masters: get_optimizer_state_dict + dcp.save after 2 steps, then a fresh
+    sharded model and optimizer restored by dcp.load + set_optimizer_state_dict continue for
+    2 steps bit for bit like the uninterrupted run."""
+    _spawn(_check_dcp_resume, tmp_path, str(tmp_path / "ckpt"))
