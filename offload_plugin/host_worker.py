@@ -4,17 +4,36 @@ The training thread only enqueues work (from backward hooks or step()) and keeps
 GPU kernels; it waits in ``drain()``. An exception inside a job is kept and raised again,
 with the original traceback attached, from the next ``drain()``: nothing fails silently
 and nothing hangs. Jobs after a failed one are skipped.
+
+At interpreter exit every worker is stopped and joined (``atexit``): a daemon thread
+still alive when Python finalizes is torn down with ``pthread_exit``, which aborts the
+process ("terminate called without an active exception") if it unwinds through C++
+frames, e.g. a torch kernel or the OpenMP runtime.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from typing import Callable, Optional
 
 import torch
 
 __all__ = ["HostWorker", "HostUpdateError"]
+
+
+_LIVE_WORKERS: "weakref.WeakSet[HostWorker]" = weakref.WeakSet()
+_STOP = object()  # queue sentinel: leave the loop
+
+
+def _stop_all_workers() -> None:
+    for worker in list(_LIVE_WORKERS):
+        worker.close()
+
+
+atexit.register(_stop_all_workers)
 
 
 class HostUpdateError(RuntimeError):
@@ -37,9 +56,21 @@ class HostWorker:
 
     def submit(self, job: Callable[[], None]) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="offload-host-update", daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, args=(self._jobs,), name="offload-host-update", daemon=True
+            )
             self._thread.start()
+            _LIVE_WORKERS.add(self)
         self._jobs.put(job)
+
+    def close(self) -> None:
+        """Finish the submitted jobs and stop the thread (a later submit starts a new one)."""
+        thread, self._thread = self._thread, None
+        if thread is not None and thread.is_alive():
+            self._jobs.put(_STOP)
+            thread.join()
+            self._jobs = queue.Queue()
+        _LIVE_WORKERS.discard(self)
 
     def drain(self) -> None:
         """Wait for every submitted job; raise HostUpdateError if one failed."""
@@ -52,15 +83,18 @@ class HostWorker:
                 "and optimizer state of the parameters it did not reach are unchanged."
             ) from error
 
-    def _run(self) -> None:
+    def _run(self, jobs: queue.Queue) -> None:
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
+            if job is _STOP:
+                jobs.task_done()
+                return
             try:
                 if self._error is None:
                     job()
             except BaseException as error:  # re-raised in the training thread by drain()
                 self._error = error
             finally:
-                self._jobs.task_done()
+                jobs.task_done()

@@ -125,3 +125,22 @@ def test_scale_given_twice_is_refused():
     ((model(x) - y) ** 2).sum().backward()
     with pytest.raises(RuntimeError, match="already applied"):
         opt.scale_grads(0.5)
+
+
+def test_process_exits_cleanly_with_an_update_pending():
+    """Exit while the background update may still run: the worker is joined, no abort at exit."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from offload_plugin import CPUOffloadOptimizer\n"
+        "m = torch.nn.Linear(512, 512)\n"
+        "opt = CPUOffloadOptimizer(m.parameters(), lr=1e-3, fused=True, delayed_update=True)\n"
+        "for _ in range(3):\n"
+        "    m(torch.randn(4, 512)).sum().backward(); opt.step(); opt.zero_grad()\n"
+        "print('done')\n"
+    )
+    for _ in range(3):
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]
