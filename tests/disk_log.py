@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 
-def logged(out: Path) -> dict:
+def read_log(out: Path) -> dict:
     """{step: {metric: value}} from ``out/logs/log.txt``."""
     steps = {}
     for line in (out / "logs" / "log.txt").read_text().splitlines():

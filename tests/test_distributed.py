@@ -28,7 +28,7 @@ import torch
 from omegaconf import OmegaConf
 from torchtune.config._utils import _get_component_from_path
 
-from disk_log import logged
+from disk_log import read_log
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIGS = REPO / "configs" / "demo"
@@ -102,7 +102,7 @@ def _assert_same_steps(out: Path, reference: Path) -> None:
     The gradient norm (logged before clipping) catches a wrong gradient scale, to which
     Adam's update itself is nearly blind.
     """
-    logged, expected = logged(out), logged(reference)
+    logged, expected = read_log(out), read_log(reference)
     assert sorted(logged) == sorted(expected) == list(range(1, 2 * STEPS + 1))
     for key, rtol in (("lr", 0), ("loss", 1e-6), ("grad_norm", 1e-6)):  # they agree to ~1e-7
         got = torch.tensor([logged[s][key] for s in sorted(logged)], dtype=torch.float64)
@@ -194,8 +194,8 @@ def test_resume_on_two_ranks_reproduces_uninterrupted_run(kind, request, workdir
     config = f"tiny_{kind}_offload_distributed.yaml"
     _tune_run(RECIPE[kind], config, workdir, out, optimizer, *overrides)
 
-    expected = {s: m for s, m in logged(straight).items() if s > STEPS}
-    resumed = logged(out)
+    expected = {s: m for s, m in read_log(straight).items() if s > STEPS}
+    resumed = read_log(out)
     assert sorted(resumed) == sorted(expected)
     for step in expected:
         assert resumed[step]["loss"] == expected[step]["loss"], step

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disk_log import logged
+from disk_log import read_log
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIGS = REPO / "configs" / "demo"
@@ -57,7 +57,7 @@ def _tune_run(recipe, kind, workdir, out, *overrides, cwd=REPO):
 
 
 def _losses(out: Path) -> list:
-    return [m["loss"] for _, m in sorted(logged(out).items())]
+    return [m["loss"] for _, m in sorted(read_log(out).items())]
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +76,10 @@ def straight_runs(workdir):
 
 
 @pytest.mark.parametrize("kind", ["qlora", "lora", "full"])
-def test_loss_falls_and_metricslogged(straight_runs, kind):
+def test_loss_falls_and_metrics_logged(straight_runs, kind):
     """Our recipe trains the demo model with CPUOffloadOptimizer: loss falls, metrics and checkpoint are written."""
     out, _ = straight_runs[kind]
-    logged = logged(out)
+    logged = read_log(out)
     assert sorted(logged) == list(range(1, 2 * STEPS + 1))
     losses = _losses(out)
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.1, losses
@@ -103,8 +103,8 @@ def test_resume_reproduces_uninterrupted_run(straight_runs, workdir, tmp_path, k
         overrides.append("checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]")
     _tune_run(f"offload_plugin/recipes/{RECIPE[kind]}", kind, workdir, out, *overrides)
 
-    expected = {s: m for s, m in logged(straight).items() if s > STEPS}
-    resumed = logged(out)
+    expected = {s: m for s, m in read_log(straight).items() if s > STEPS}
+    resumed = read_log(out)
     assert sorted(resumed) == sorted(expected)
     for step in expected:
         assert resumed[step]["loss"] == expected[step]["loss"], step
