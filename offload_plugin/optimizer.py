@@ -594,11 +594,7 @@ class CPUOffloadOptimizer(Optimizer):
                     self._nonfinite_step(updated=0, skipped=len(grads))
                     return loss
                 if not self.offload_gradients:
-                    # The recipe has finished with .grad (scaling, clipping): copy it now.
-                    for slot in self._slots():
-                        if slot.param.grad is not None:
-                            slot.grad_event = self._transfers.to_host([(local_part(slot.param.grad), slot.grad)])
-                            slot.has_grad = True
+                    self._copy_device_grads_to_host()
                 self._overlap = self._prepare_updates(grad_scale=None, check_each=False)
             plan = self._overlap
             for slot in self._slots():
@@ -621,6 +617,13 @@ class CPUOffloadOptimizer(Optimizer):
             self._transfers.order_compute_after(self._last_push)
         return loss
 
+    def _copy_device_grads_to_host(self) -> None:
+        """offload_gradients=False: the recipe has finished with .grad (scaling, clipping)."""
+        for slot in self._slots():
+            if slot.param.grad is not None:
+                slot.grad_event = self._transfers.to_host([(local_part(slot.param.grad), slot.grad)])
+                slot.has_grad = True
+
     # ------------------------------------------------------------------ delayed update
     def _step_delayed(self) -> None:
         """Finish the previous step's update, then start this one's and return."""
@@ -632,10 +635,7 @@ class CPUOffloadOptimizer(Optimizer):
                 self._nonfinite_step(updated=0, skipped=len(grads))
                 return
             if not self.offload_gradients:
-                for slot in self._slots():
-                    if slot.param.grad is not None:
-                        slot.grad_event = self._transfers.to_host([(local_part(slot.param.grad), slot.grad)])
-                        slot.has_grad = True
+                self._copy_device_grads_to_host()
             plan = self._prepare_updates(grad_scale=None, check_each=False, wait_pushes=False)
             for slot in self._slots():
                 if not slot.has_grad:
@@ -667,9 +667,14 @@ class CPUOffloadOptimizer(Optimizer):
         """The last backward before step() is done with ``slot``'s weight."""
         with self._push_lock:
             if self._pending is not None and slot.master in self._pending["submitted"]:
-                slot.free_to_push = True
-                if slot.push_ready:
-                    self._push(slot)
+                self._allow_push(slot)
+
+    def _allow_push(self, slot: HostSlot) -> None:
+        """The device no longer reads ``slot``'s weight: send it now if it is updated, else
+        let its job send it (caller holds ``_push_lock``)."""
+        slot.free_to_push = True
+        if slot.push_ready:
+            self._push(slot)
 
     def _push(self, slot: HostSlot) -> None:
         """Copy an updated weight to the device (caller holds ``_push_lock``)."""
@@ -686,9 +691,7 @@ class CPUOffloadOptimizer(Optimizer):
             with self._push_lock:
                 for slot in self._slot_list:
                     if slot.master in plan["submitted"]:
-                        slot.free_to_push = True
-                        if slot.push_ready:
-                            self._push(slot)
+                        self._allow_push(slot)
             self._worker.drain()  # jobs that finish now push their own weights
         finally:
             self._pending = None
@@ -732,11 +735,11 @@ class CPUOffloadOptimizer(Optimizer):
         log.warning("CPUOffloadOptimizer: %s.", what)
 
     def _warn_if_unscaled(self) -> None:
-        # torch.distributed.checkpoint's get/set_optimizer_state_dict create the state with
-        # a step on zero gradients at lr=0, which scales nothing and must not use up the warning.
-        if all(float(g["lr"]) == 0 for g in self.param_groups):
-            return
         if self.offload_gradients and not self._scaled_since_zero_grad and not self._warned_unscaled:
+            # torch.distributed.checkpoint's get/set_optimizer_state_dict create the state
+            # with a step on zero gradients at lr=0, which must not use up the warning.
+            if all(float(g["lr"]) == 0 for g in self.param_groups):
+                return
             self._warned_unscaled = True
             log.warning(
                 "CPUOffloadOptimizer(offload_gradients=True): step() ran without "
