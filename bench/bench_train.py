@@ -107,6 +107,15 @@ OPTIMIZERS = {
                                                    delayed_update=True),
     "offload_grads_nomaster_delayed": lambda m, t, a: _ours(
         m, t, a, offload_gradients=True, master_weights=False, delayed_update=True),
+    # Opt-in: gradients stay on the GPU until the last micro-batch (no host additions;
+    # a full set of gradients in GPU memory while accumulating). Exact.
+    "offload_grads_devacc": lambda m, t, a: _ours(m, t, a, offload_gradients=True,
+                                                  accumulate_on_device=True),
+    "offload_grads_nomaster_devacc": lambda m, t, a: _ours(
+        m, t, a, offload_gradients=True, master_weights=False, accumulate_on_device=True),
+    "offload_grads_nomaster_devacc_delayed": lambda m, t, a: _ours(
+        m, t, a, offload_gradients=True, master_weights=False, accumulate_on_device=True,
+        delayed_update=True),
     "torchao": _torchao,
     "bnb_paged8bit": _bnb,
 }
@@ -123,7 +132,7 @@ def skip_reason(name, args):
 
 
 def _check_host_memory(trainable, args, offload_gradients=False, master_weights=True,
-                       delayed_update=False):
+                       delayed_update=False, accumulate_on_device=False):
     """Warn early instead of meeting the OOM killer after minutes of pinning."""
     from offload_plugin import host_memory
 
@@ -248,6 +257,7 @@ def run_single(args, name):
                     torch.nn.utils.clip_grad_norm_(trainable, args.clip_grad_norm)
 
         times, losses = [], []
+        busy = [opt._worker.busy_s] if is_ours else []  # host worker's job seconds so far
         for step in range(args.steps):
             sync(dev)
             t0 = time.perf_counter()
@@ -258,11 +268,15 @@ def run_single(args, name):
             sync(dev)
             times.append(time.perf_counter() - t0)
             losses.append(total.item() / args.tokens_per_step)
+            if is_ours:
+                busy.append(opt._worker.busy_s)
             print(f"[{name}] step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
                   file=sys.stderr, flush=True)
         timed = times[args.warmup:]
         res.update(step_times=times, losses=losses, step_s=sum(timed) / len(timed))
         res["tokens_per_s"] = args.tokens_per_step / res["step_s"]
+        if busy:  # host work per timed step, to set against step_s: host-bound or stalled?
+            res["host_busy_s"] = (busy[-1] - busy[args.warmup]) / len(timed)
 
         if args.measure_host_update and is_ours and not delayed:
             # The optimizer step alone: gradients in place, nothing else queued on the GPU.
@@ -352,12 +366,13 @@ def markdown_table(results):
     """One row per optimizer; ratios are against gpu_adamw when it ran."""
     base = next((r for r in results if r["optimizer"] == "gpu_adamw" and "step_s" in r), {})
     rows = ["| optimizer | step s | tokens/s | peak GPU GiB | reserved GiB | host RSS GiB "
-            "| opt host GiB | setup s | host update s | step / gpu_adamw | peak / gpu_adamw |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| opt host GiB | setup s | host update s | host busy s/step | step / gpu_adamw "
+            "| peak / gpu_adamw |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         if "step_s" not in r:
             why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r.get('error')}"
-            rows.append(f"| {r['optimizer']} | {why} |" + " |" * 9)
+            rows.append(f"| {r['optimizer']} | {why} |" + " |" * 10)
             continue
         ratio = lambda k: (f"{r[k] / base[k]:.2f}x"  # noqa: E731
                            if base.get(k) and r.get(k) is not None else "-")
@@ -366,7 +381,7 @@ def markdown_table(results):
             f"| {_fmt(r.get('peak_gpu_gib'), 1)} | {_fmt(r.get('reserved_gpu_gib'), 1)} "
             f"| {_fmt(r.get('host_rss_gib'), 1)} | {_fmt(r.get('opt_host_gib'), 1)} "
             f"| {_fmt(r.get('setup_s'), 1)} | {_fmt(r.get('host_update_s'))} "
-            f"| {ratio('step_s')} | {ratio('peak_gpu_gib')} |")
+            f"| {_fmt(r.get('host_busy_s'))} | {ratio('step_s')} | {ratio('peak_gpu_gib')} |")
     return "\n".join(rows)
 
 

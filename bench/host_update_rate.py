@@ -96,6 +96,21 @@ def main() -> None:
     report(f"torch AdamW(fused) bf16 (no master), {threads} threads",
            _in_thread(lambda: _timed(refb.step, args.repeats), threads), bytes_per_param=14)
     del wb, refb
+    # Ours without master weights, gradient scale folded in (what overlap_next_step does).
+    wb = torch.zeros(n, dtype=torch.bfloat16)
+    slot = HostSlot(param=torch.zeros(1), master=wb, grad=torch.randn(n).to(torch.bfloat16),
+                    weight_stage=None)
+    opt = torch.optim.AdamW([wb], lr=1e-3, fused=True)
+    groups = {wb: opt.param_groups[0]}
+    for native in (True, False):
+        host_update.USE_NATIVE = native
+        kernel = native_adam.kernel()
+        how = "one pass" if native and kernel is not None and torch.bfloat16 in kernel.dtypes else "torch, 2 passes"
+        report(f"offload update bf16 no master, scaled ({how}), {threads} thr",
+               _in_thread(lambda: _timed(lambda: host_update.update_slots(opt, groups, [slot], 1e-4),
+                                         args.repeats), threads), bytes_per_param=14)
+    host_update.USE_NATIVE = True
+    del wb, slot, opt
     bw = memory_bandwidth(min(n, 1 << 28), threads, args.repeats)
     print(f"memory bandwidth (fp32 copy, {threads} threads): {bw:.1f} GB/s", flush=True)
 

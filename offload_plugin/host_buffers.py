@@ -11,15 +11,16 @@ only the host reads stay pageable, which halves the memory to lock at setup.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from offload_plugin.distributed import local_part
 
-__all__ = ["HostSlot", "HostArena", "master_dtype_for"]
+__all__ = ["HostSlot", "HostArena", "allocate_landing", "build_slots", "master_dtype_for"]
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +91,8 @@ class HostSlot:
     parameter's dtype, accumulated on the host when gradients are offloaded.
     ``weight_stage`` holds the updated weight in the parameter's dtype on its way back to
     the device; it is ``None`` when ``master`` already has that dtype. Between steps it is
-    free, so accumulated gradients land there (``incoming``) before being added to ``grad``.
+    free, so accumulated gradients land there (``incoming``) before being added to ``grad``;
+    without it, they land in a buffer from :func:`allocate_landing`.
     """
 
     param: torch.Tensor
@@ -109,6 +111,9 @@ class HostSlot:
     incoming: Optional[torch.Tensor] = None
     incoming_event: object = None
     incoming_pending: bool = False
+    # Held while adding ``incoming`` into ``grad``, which the host worker does during
+    # backward and the training thread may do too (whichever comes first).
+    settle_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def weight_source(self) -> torch.Tensor:
         """The host tensor whose values are copied into the device parameter."""
@@ -174,6 +179,18 @@ def build_slots(
             )
         )
     return slots
+
+
+def allocate_landing(slots: list[HostSlot], arena: HostArena) -> None:
+    """Give each slot an ``incoming`` buffer (its gradient's dtype and shape) from one block
+    per dtype: accumulated gradients land there while ``grad`` holds the running sum."""
+    by_dtype: dict[torch.dtype, list[HostSlot]] = {}
+    for slot in slots:
+        by_dtype.setdefault(slot.grad.dtype, []).append(slot)
+    for dtype, group in by_dtype.items():
+        views = arena.allocate([s.grad.numel() for s in group], dtype)
+        for slot, view in zip(group, views):
+            slot.incoming = view.view(slot.grad.shape)
 
 
 def _copy_weights_in(

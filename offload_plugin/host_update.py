@@ -2,7 +2,8 @@
 
 For Adam/AdamW with ``fused=True`` on an fp32 master with a bf16 gradient, the update is
 one pass of ``native_adam``'s kernel (bf16 gradient in, master and moments updated, bf16
-weight out), verified bit-identical to torch's fused kernel on this machine. Without it
+weight out), verified bit-identical to torch's fused kernel on this machine; likewise for
+bf16 weights without master weights (gradient scaling folded into the same pass). Without it
 (or for other dtypes), torch's own fused CPU kernel runs over chunks of the parameter:
 per chunk, the gradient is upcast, the master, moments and step are updated, and the
 weight to send back is written, while the chunk is still in cache. Either way results are
@@ -55,12 +56,17 @@ def _adam_state(optimizer: Optimizer, master: torch.Tensor, amsgrad: bool) -> di
 
 
 def _native_kernel(master, grad, stage, amsgrad) -> Optional["native_adam.NativeAdam"]:
-    """The one-pass kernel if it applies here (fp32 master, bf16 grad/weight, no amsgrad)."""
-    if not USE_NATIVE or amsgrad or master.dtype != torch.float32 or grad.dtype != torch.bfloat16:
+    """The one-pass kernel if it applies here: a bf16 gradient and an fp32 master (bf16
+    weight out) or a bf16 weight (no master weights), no amsgrad."""
+    if not USE_NATIVE or amsgrad or grad.dtype != torch.bfloat16:
         return None
-    if stage is not None and stage.dtype != torch.bfloat16:
+    if master.dtype == torch.float32:
+        if stage is not None and stage.dtype != torch.bfloat16:
+            return None
+    elif master.dtype != torch.bfloat16 or stage is not None:
         return None
-    return native_adam.kernel()
+    native = native_adam.kernel()
+    return native if native is not None and master.dtype in native.dtypes else None
 
 
 def _fused_adam_update(
@@ -79,9 +85,9 @@ def _fused_adam_update(
     start = 0
     native = _native_kernel(master, grad, stage, amsgrad)
     if native is not None:
-        # Whole 16-element blocks in one pass; torch's kernel treats a tensor's last
-        # numel % 16 elements apart, so they take the loop below with the same step.
-        start = master.numel() - master.numel() % native_adam.ALIGN
+        # Whole vectors in one pass; torch's kernel treats a tensor's last elements apart
+        # (scalar code), so they take the loop below with the same step.
+        start = master.numel() - master.numel() % native.align(master.dtype)
         native.step(
             master[:start], grad[:start], m[:start], v[:start],
             stage[:start] if stage is not None else None,

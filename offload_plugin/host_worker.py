@@ -1,7 +1,9 @@
 """One background thread that runs host updates in the order they were submitted.
 
 The training thread only enqueues work (from backward hooks or step()) and keeps launching
-GPU kernels; it waits in ``drain()``. An exception inside a job is kept and raised again,
+GPU kernels; it waits in ``drain()``. Urgent jobs (adding an accumulated gradient, which
+the next micro-batch waits for) run before queued non-urgent ones (updates), each class
+in submission order. An exception inside a job is kept and raised again,
 with the original traceback attached, from the next ``drain()``: nothing fails silently
 and nothing hangs. Jobs after a failed one are skipped.
 
@@ -14,8 +16,10 @@ frames, e.g. a torch kernel or the OpenMP runtime.
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import threading
+import time
 import weakref
 from typing import Callable, Optional
 
@@ -26,6 +30,7 @@ __all__ = ["HostWorker", "HostUpdateError"]
 
 _LIVE_WORKERS: "weakref.WeakSet[HostWorker]" = weakref.WeakSet()
 _STOP = object()  # queue sentinel: leave the loop
+_URGENT, _NORMAL, _LAST = 0, 1, 2  # queue priorities
 
 
 def _stop_all_workers() -> None:
@@ -50,26 +55,29 @@ class HostWorker:
 
     def __init__(self, num_threads: int) -> None:
         self.num_threads = num_threads
-        self._jobs: queue.Queue = queue.Queue()
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()  # FIFO within a priority; jobs are never compared
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self.busy_s = 0.0  # seconds spent in jobs so far (benchmarks compare it to step time)
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None], urgent: bool = False) -> None:
+        """Queue ``job``; an ``urgent`` one runs before every queued non-urgent job."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, args=(self._jobs,), name="offload-host-update", daemon=True
             )
             self._thread.start()
             _LIVE_WORKERS.add(self)
-        self._jobs.put(job)
+        self._jobs.put((_URGENT if urgent else _NORMAL, next(self._order), job))
 
     def close(self) -> None:
         """Finish the submitted jobs and stop the thread (a later submit starts a new one)."""
         thread, self._thread = self._thread, None
         if thread is not None and thread.is_alive():
-            self._jobs.put(_STOP)
+            self._jobs.put((_LAST, next(self._order), _STOP))
             thread.join()
-            self._jobs = queue.Queue()
+            self._jobs = queue.PriorityQueue()
         _LIVE_WORKERS.discard(self)
 
     def drain(self) -> None:
@@ -83,17 +91,19 @@ class HostWorker:
                 "and optimizer state of the parameters it did not reach are unchanged."
             ) from error
 
-    def _run(self, jobs: queue.Queue) -> None:
+    def _run(self, jobs: queue.PriorityQueue) -> None:
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
         while True:
-            job = jobs.get()
+            _, _, job = jobs.get()
             if job is _STOP:
                 jobs.task_done()
                 return
             try:
                 if self._error is None:
+                    start = time.perf_counter()
                     job()
+                    self.busy_s += time.perf_counter() - start
             except BaseException as error:  # re-raised in the training thread by drain()
                 self._error = error
             finally:

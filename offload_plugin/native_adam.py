@@ -2,7 +2,9 @@
 
 torch has no fused CPU kernel that reads a bf16 gradient into an fp32 update and writes
 the bf16 weight back, so without this the host runs three passes (upcast, fused AdamW,
-downcast). ``csrc/adam_master_bf16.cpp`` does the same arithmetic in one pass. It is
+downcast). ``csrc/adam_master_bf16.cpp`` does the same arithmetic in one pass. It also
+updates bf16 weights without master weights in one pass over whole tensors, gradient
+scaling included (torch's path: a scaled copy of the gradient, then its kernel). It is
 compiled on first use with the system's C++ compiler (about a second; cached under
 ``$OFFLOAD_PLUGIN_CACHE`` or ``~/.cache/offload_plugin``) and linked to the OpenMP
 runtime torch already uses, so both share one thread pool.
@@ -30,13 +32,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["kernel", "ALIGN"]
+__all__ = ["kernel", "NativeAdam", "ALIGN", "ALIGN_BF16"]
 
 log = logging.getLogger(__name__)
 
-# The kernel covers whole 16-element blocks; torch's own kernel handles a tensor's last
-# numel % 16 elements differently (scalar code), so those go to torch.
+# The kernel covers whole blocks of ALIGN elements; torch's own kernel handles a tensor's
+# last elements past its vector width differently (scalar code), so those go to torch.
+# 16 fp32 or 64 bf16 elements are whole vectors for every x86 vector width torch uses.
 ALIGN = 16
+ALIGN_BF16 = 64
 
 _SOURCE = Path(__file__).parent / "csrc" / "adam_master_bf16.cpp"
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-fopenmp"]
@@ -111,18 +115,31 @@ def _cpu_id() -> bytes:
 
 def _load(path: Path):
     lib = ctypes.CDLL(str(path))  # CDLL releases the GIL during calls
-    fn = lib.adam_master_bf16_step
     p, i64, d, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int, ctypes.c_float
-    fn.argtypes = [p, p, p, p, p, i64, d, d, d, d, d, d, i, i, i, f, i]
-    fn.restype = i
-    return fn
+    fp32 = lib.adam_master_bf16_step
+    fp32.argtypes = [p, p, p, p, p, i64, d, d, d, d, d, d, i, i, i, f, i]
+    fp32.restype = i
+    bf16 = lib.adam_bf16_step
+    bf16.argtypes = [p, p, p, p, i64, d, d, d, d, d, d, i, i, i, f, i]
+    bf16.restype = i
+    return fp32, bf16
 
 
 class NativeAdam:
-    """The loaded kernel. Call :meth:`step` on flat, contiguous host tensors."""
+    """The loaded kernel. Call :meth:`step` on flat, contiguous host tensors.
 
-    def __init__(self, fn) -> None:
-        self._fn = fn
+    ``dtypes`` holds the weight dtypes it was verified for on this machine (fp32 masters,
+    bf16 weights without masters); only those may be stepped.
+    """
+
+    def __init__(self, fns) -> None:
+        self._fp32, self._bf16 = fns
+        self.dtypes: set = {torch.float32, torch.bfloat16}
+
+    @staticmethod
+    def align(dtype: torch.dtype) -> int:
+        """The kernel takes a multiple of this many elements (see ALIGN)."""
+        return ALIGN_BF16 if dtype == torch.bfloat16 else ALIGN
 
     def step(
         self, master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -130,84 +147,113 @@ class NativeAdam:
         beta1: float, beta2: float, weight_decay: float, eps: float, step: float,
         adamw: bool, maximize: bool, grad_scale: Optional[float], num_threads: int,
     ) -> None:
-        """Update ``master``, ``exp_avg``, ``exp_avg_sq`` (fp32) from ``grad`` (bf16).
+        """Update ``master``, ``exp_avg``, ``exp_avg_sq`` in place from ``grad`` (bf16).
 
-        ``step`` is the count after this update. ``weight_out`` (bf16, or None) receives
-        the new weight. All tensors: 1-D, contiguous, same numel, a multiple of ALIGN.
+        ``master`` and the moments are fp32 (then ``weight_out``, bf16 or None, receives
+        the new weight) or bf16 (no master weights; ``weight_out`` must be None).
+        ``step`` is the count after this update. All tensors: 1-D, contiguous, same
+        numel, a multiple of :meth:`align`.
         """
         n = master.numel()
         tensors = (master, grad, exp_avg, exp_avg_sq) + ((weight_out,) if weight_out is not None else ())
-        if n % ALIGN or any(t.numel() != n or not t.is_contiguous() or t.device.type != "cpu" for t in tensors):
-            raise ValueError("NativeAdam.step needs contiguous CPU tensors of one numel, a multiple of 16")
-        if master.dtype != torch.float32 or grad.dtype != torch.bfloat16 or (
-            weight_out is not None and weight_out.dtype != torch.bfloat16
+        if n % self.align(master.dtype) or any(
+            t.numel() != n or not t.is_contiguous() or t.device.type != "cpu" for t in tensors
         ):
-            raise ValueError("NativeAdam.step needs an fp32 master and bf16 gradient/weight")
-        self._fn(
-            master.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
-            weight_out.data_ptr() if weight_out is not None else None, n, float(lr),
-            float(beta1), float(beta2), float(weight_decay), float(eps), float(step),
+            raise ValueError("NativeAdam.step needs contiguous CPU tensors of one numel, "
+                             "a multiple of NativeAdam.align(dtype)")
+        bf16 = torch.bfloat16
+        state_ok = exp_avg.dtype == exp_avg_sq.dtype == master.dtype
+        if grad.dtype != bf16 or not state_ok or master.dtype not in self.dtypes or (
+            weight_out is not None and (weight_out.dtype != bf16 or master.dtype == bf16)
+        ):
+            raise ValueError("NativeAdam.step needs a bf16 gradient and an fp32 master with "
+                             "fp32 moments (bf16 weight_out optional), or bf16 weight and moments")
+        scalars = (
+            float(lr), float(beta1), float(beta2), float(weight_decay), float(eps), float(step),
             int(adamw), int(maximize), int(grad_scale is not None),
             float(grad_scale if grad_scale is not None else 1.0), int(num_threads),
         )
+        ptrs = (master.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
+        if master.dtype == bf16:
+            self._bf16(*ptrs, n, *scalars)
+        else:
+            out = weight_out.data_ptr() if weight_out is not None else None
+            self._fp32(*ptrs, out, n, *scalars)
 
 
-def _matches_torch(native: NativeAdam) -> Optional[str]:
-    """Run native and torch side by side; None if bit-identical, else what differed."""
+_SETTINGS = [
+    dict(adamw=True, weight_decay=0.01, beta1=0.9, maximize=False, grad_scale=None),
+    dict(adamw=True, weight_decay=0.0, beta1=0.3, maximize=True, grad_scale=1 / 3),
+    dict(adamw=False, weight_decay=0.1, beta1=0.9, maximize=False, grad_scale=0.37),
+    dict(adamw=False, weight_decay=0.0, beta1=0.0, maximize=False, grad_scale=None),
+]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def _matches_torch(native: NativeAdam, dtype: torch.dtype) -> Optional[str]:
+    """Run native and torch side by side for weights of ``dtype``; None if bit-identical,
+    else what differed. torch's reference is what the host update does without the kernel:
+    the gradient upcast (fp32 masters) or scaled in bf16, then torch's fused kernel."""
     gen = torch.Generator().manual_seed(0)
-    n = ALIGN * 4099
-    settings = [
-        dict(adamw=True, weight_decay=0.01, beta1=0.9, maximize=False, grad_scale=None),
-        dict(adamw=True, weight_decay=0.0, beta1=0.3, maximize=True, grad_scale=1 / 3),
-        dict(adamw=False, weight_decay=0.1, beta1=0.9, maximize=False, grad_scale=0.37),
-        dict(adamw=False, weight_decay=0.0, beta1=0.0, maximize=False, grad_scale=None),
-    ]
-    for s in settings:
-        master = torch.randn(n, generator=gen) * torch.logspace(-6, 2, n)
-        m, v = torch.zeros(n), torch.zeros(n)
+    n = ALIGN_BF16 * 1031
+    for s in _SETTINGS:
+        master = (torch.randn(n, generator=gen) * torch.logspace(-6, 2, n)).to(dtype)
+        m, v = torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
         ref_master, ref_m, ref_v = master.clone(), m.clone(), v.clone()
         step_t = torch.zeros(())
-        out = torch.empty(n, dtype=torch.bfloat16)
+        out = torch.empty(n, dtype=torch.bfloat16) if dtype == torch.float32 else None
         for k in range(1, 4):
             grad = (torch.randn(n, generator=gen) * torch.logspace(-8, 1, n)).to(torch.bfloat16)
-            g32 = grad.float()
+            g = grad.to(dtype)
             if s["grad_scale"] is not None:
-                g32 = g32 * s["grad_scale"]
+                g = g * s["grad_scale"]
             step_t += 1
             kernel = torch._fused_adamw_ if s["adamw"] else torch._fused_adam_
-            kernel([ref_master], [g32], [ref_m], [ref_v], [], [step_t], amsgrad=False,
+            kernel([ref_master], [g], [ref_m], [ref_v], [], [step_t], amsgrad=False,
                    lr=1e-3 * k, beta1=s["beta1"], beta2=0.999, weight_decay=s["weight_decay"],
                    eps=1e-8, maximize=s["maximize"], grad_scale=None, found_inf=None)
             native.step(master, grad, m, v, out, lr=1e-3 * k, beta1=s["beta1"], beta2=0.999,
                         weight_decay=s["weight_decay"], eps=1e-8, step=float(k),
                         adamw=s["adamw"], maximize=s["maximize"],
                         grad_scale=s["grad_scale"], num_threads=torch.get_num_threads())
-            for name, a, b in (("master", master, ref_master), ("exp_avg", m, ref_m),
-                               ("exp_avg_sq", v, ref_v), ("bf16 weight", out, ref_master.to(torch.bfloat16))):
-                if not torch.equal(a.view(torch.int32) if a.dtype == torch.float32 else a.view(torch.int16),
-                                   b.view(torch.int32) if b.dtype == torch.float32 else b.view(torch.int16)):
+            pairs = [("weight", master, ref_master), ("exp_avg", m, ref_m), ("exp_avg_sq", v, ref_v)]
+            if out is not None:
+                pairs.append(("bf16 weight", out, ref_master.to(torch.bfloat16)))
+            for name, a, b in pairs:
+                if not torch.equal(_bits(a), _bits(b)):
                     return f"{name} differs from torch's kernel at step {k} with {s}"
     return None
 
 
 def kernel() -> Optional[NativeAdam]:
-    """The verified native kernel, or None (no compiler, build failure, mismatch, or disabled)."""
+    """The verified native kernel, or None (no compiler, build failure, mismatch, or disabled).
+
+    Its ``dtypes`` lists the weight dtypes that matched torch bit for bit here.
+    """
     with _lock:
         if "kernel" in _state:
             return _state["kernel"]
-        result = None
+        result, reasons = None, []
         if os.environ.get("OFFLOAD_PLUGIN_NATIVE", "1") == "0":
-            reason = "OFFLOAD_PLUGIN_NATIVE=0"
+            reasons.append("OFFLOAD_PLUGIN_NATIVE=0")
         else:
             try:
                 candidate = NativeAdam(_load(_build()))
-                reason = _matches_torch(candidate)
-                result = candidate if reason is None else None
+                for dtype in sorted(candidate.dtypes, key=str):
+                    why = _matches_torch(candidate, dtype)
+                    if why is not None:
+                        candidate.dtypes.discard(dtype)
+                        reasons.append(f"{dtype}: {why}")
+                result = candidate if candidate.dtypes else None
             except (RuntimeError, OSError) as err:
-                reason = str(err)
-        if result is None:
+                reasons.append(str(err))
+        reason = "; ".join(reasons) or None
+        if reason:
             log.info("offload_plugin: one-pass host update unavailable (%s); using torch's "
-                     "fused kernel in three passes (same results, slower).", reason)
+                     "fused kernel in several passes there (same results, slower).", reason)
         _state["kernel"] = result
         _state["reason"] = reason
         return result

@@ -22,7 +22,7 @@ from offload_plugin.checkpoint_compat import (
 from offload_plugin.grad_checks import NONFINITE_POLICIES, FiniteRecord, all_finite
 from offload_plugin import distributed, host_memory
 from offload_plugin.distributed import DTensor, local_part
-from offload_plugin.host_buffers import HostArena, HostSlot, build_slots
+from offload_plugin.host_buffers import HostArena, HostSlot, allocate_landing, build_slots
 from offload_plugin.host_update import update_slots
 from offload_plugin.host_worker import HostWorker
 from offload_plugin.transfer import Transfers
@@ -154,6 +154,14 @@ class CPUOffloadOptimizer(Optimizer):
             completes the pending update first. Default: ``False``.
         host_threads (int, optional): CPU threads for the host update. Default: all but
             one with a GPU (that core launches the GPU work), all without one.
+        accumulate_on_device (bool): with ``offload_gradients`` and gradient accumulation,
+            leave the gradients on the device until the last backward of the window, which
+            :meth:`overlap_next_step` announces (else ``step()``, ``scale_grads`` or
+            ``clip_grad_norm_`` moves them). Saves the host one gradient-sized addition per
+            micro-batch, at the cost of a full set of gradients in device memory during
+            accumulation (as with ``offload_gradients=False``); the last micro-batch's
+            gradients still leave during its backward, and updates can start there.
+            Results are unchanged. Default: ``False``.
         **optimizer_kwargs: hyperparameters for ``optimizer_cls`` (``lr``, ``betas``,
             ``weight_decay``, ``fused``, ...).
 
@@ -182,6 +190,7 @@ class CPUOffloadOptimizer(Optimizer):
         check_host_memory: bool = True,
         delayed_update: bool = False,
         host_threads: Optional[int] = None,
+        accumulate_on_device: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         if nonfinite_grads not in NONFINITE_POLICIES:
@@ -196,6 +205,12 @@ class CPUOffloadOptimizer(Optimizer):
         self.master_weights = master_weights
         self.pin_memory = pin_memory
         self.delayed_update = bool(delayed_update)
+        if accumulate_on_device and not offload_gradients:
+            raise ValueError(
+                "accumulate_on_device=True only applies with offload_gradients=True (without "
+                "it, gradients stay on the device anyway)."
+            )
+        self.accumulate_on_device = bool(accumulate_on_device)
         if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
             raise ValueError(f"host_threads must be a positive int or None, got {host_threads!r}")
         self.host_threads = host_threads
@@ -317,7 +332,7 @@ class CPUOffloadOptimizer(Optimizer):
             self._slot_of[slot.param] = slot
             if self.offload_gradients:
                 self._hooks.append(
-                    slot.param.register_post_accumulate_grad_hook(self._offload_grad)
+                    slot.param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
                 )
         self._meshes = distributed.meshes_of(s.param for s in self._slot_list)
         self._counts["kept"] += len(params)
@@ -343,6 +358,12 @@ class CPUOffloadOptimizer(Optimizer):
         return (self._slot_of[p] for g in self.param_groups for p in g["params"])
 
     # ------------------------------------------------------------------ gradients
+    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
+        """Backward hook (offload_gradients=True)."""
+        if self.accumulate_on_device and not self.overlapping:
+            return  # not the announced last backward: autograd adds the next one on the device
+        self._offload_grad(param)
+
     def _offload_grad(self, param: torch.Tensor) -> None:
         """Backward hook (offload_gradients=True): move ``param.grad`` to the host, free it."""
         slot = self._slot_of[param]
@@ -352,32 +373,51 @@ class CPUOffloadOptimizer(Optimizer):
             slot.grad_event = self._transfers.to_host([(grad, slot.grad)])
             slot.has_grad = True
         else:
-            # Gradient accumulation: land the new gradient beside the running sum and add
-            # it on the host, in the gradient's dtype as autograd would on the device.
+            # Gradient accumulation: land the new gradient beside the running sum; the host
+            # worker adds it (in the gradient's dtype, as autograd would on the device)
+            # while this thread goes on launching the backward. The previous micro-batch's
+            # addition is normally done by now; if not, this thread does it first.
             self._settle(slot)
-            if slot.incoming is None and not self.delayed_update:
-                # The weight stage is idle until this step's update (its last copy to the
-                # device is ordered before this backward): land the gradient there. Not
-                # with delayed_update, whose update writes the stage during this backward.
-                slot.incoming = slot.weight_stage
             if slot.incoming is None:
-                slot.incoming = torch.empty_like(slot.grad, pin_memory=self._arena.pin)
+                self._give_landing_buffers()
             slot.incoming_event = self._transfers.to_host([(grad, slot.incoming)])
             slot.incoming_pending = True
+            if self._overlap is None:  # else the update itself adds it, first thing
+                self._worker.submit(partial(self._settle, slot), urgent=True)
         param.grad = None
         if self._overlap is not None:
             self._submit_update(slot)
         elif self._final_backward:
             self._release_for_push(slot)
 
+    def _give_landing_buffers(self) -> None:
+        """Landing buffers for accumulated gradients, allocated at the first accumulation.
+
+        The weight stage is idle until this step's update (its last copy to the device is
+        ordered before this backward), so it serves where there is one; not with
+        delayed_update, whose update writes the stage during this backward.
+        """
+        need = []
+        for slot in self._slot_list:
+            if slot.incoming is None:
+                if slot.weight_stage is not None and not self.delayed_update:
+                    slot.incoming = slot.weight_stage
+                else:
+                    need.append(slot)
+        allocate_landing(need, self._arena)
+
     def _settle(self, slot: HostSlot) -> None:
-        """Wait for a slot's gradient copies and add an accumulated one to the running sum."""
-        Transfers.wait(slot.grad_event)
-        slot.grad_event = None
-        if slot.incoming_pending:
-            Transfers.wait(slot.incoming_event)
-            slot.grad.add_(slot.incoming)
-            slot.incoming_pending, slot.incoming_event = False, None
+        """Wait for a slot's gradient copies and add an accumulated one to the running sum.
+
+        Runs on the host worker or the training thread, whichever needs it first.
+        """
+        with slot.settle_lock:
+            Transfers.wait(slot.grad_event)
+            slot.grad_event = None
+            if slot.incoming_pending:
+                Transfers.wait(slot.incoming_event)
+                slot.grad.add_(slot.incoming)
+                slot.incoming_pending, slot.incoming_event = False, None
 
     def _settled_host_grads(self) -> list[HostSlot]:
         """offload_gradients: every gradient complete on the host (a ``.grad`` set on the
@@ -484,11 +524,13 @@ class CPUOffloadOptimizer(Optimizer):
         super().zero_grad(set_to_none)
         self._finite.clear()
         for slot in self._slot_list:
-            # Let in-flight copies land before their buffers count as free again.
-            Transfers.wait(slot.grad_event)
-            Transfers.wait(slot.incoming_event)
-            slot.has_grad, slot.incoming_pending = False, False
-            slot.grad_event = slot.incoming_event = None
+            # Let in-flight copies land before their buffers count as free again. The lock:
+            # with delayed_update the worker may be adding an accumulated gradient.
+            with slot.settle_lock:
+                Transfers.wait(slot.grad_event)
+                Transfers.wait(slot.incoming_event)
+                slot.has_grad, slot.incoming_pending = False, False
+                slot.grad_event = slot.incoming_event = None
         self._scaled_since_zero_grad = False
 
     # ------------------------------------------------------------------ step
@@ -948,10 +990,7 @@ class CPUOffloadOptimizer(Optimizer):
             for v in st.values()
             if isinstance(v, torch.Tensor)
         )
-        incoming = sum(s.incoming.numel() * s.incoming.element_size()
-                       for s in self._slot_list
-                       if s.incoming is not None and s.incoming is not s.weight_stage)
-        return self._arena.nbytes() + state_bytes + incoming
+        return self._arena.nbytes() + state_bytes
 
     def __repr__(self) -> str:
         body = super().__repr__().split(" (", 1)[1]
@@ -959,5 +998,7 @@ class CPUOffloadOptimizer(Optimizer):
             f"{type(self).__name__}(optimizer_cls={self.optimizer_cls.__name__}, "
             f"offload_gradients={self.offload_gradients}, "
             f"master_weights={self.master_weights}, "
-            f"delayed_update={self.delayed_update}) ({body}"
+            f"delayed_update={self.delayed_update}"
+            + (", accumulate_on_device=True" if self.accumulate_on_device else "")
+            + f") ({body}"
         )

@@ -69,12 +69,15 @@ KW = {"lr": 1e-2, "weight_decay": 0.1}
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize(
+    "grads", [{}, {"offload_gradients": True},
+              {"offload_gradients": True, "accumulate_on_device": True}],
+    ids=["device-grads", "offload_gradients", "accumulate_on_device"])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_applies_each_gradient_one_step_late_exactly(device, offload_gradients, clip):
+def test_applies_each_gradient_one_step_late_exactly(device, grads, clip):
     model = make_model(device)
     ref_model = copy.deepcopy(model)
-    opt = offload(model, delayed_update=True, offload_gradients=offload_gradients, **KW)
+    opt = offload(model, delayed_update=True, **grads, **KW)
     ref = StaleByOne(ref_model, **KW)
     for step in range(5):
         _train(model, opt, 1, start=step, clip=clip)

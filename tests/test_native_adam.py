@@ -31,16 +31,36 @@ def fresh_kernel_state(monkeypatch, tmp_path):
 
 @needs_compiler
 def test_kernel_is_built_verified_and_used_here():
-    assert native_adam.kernel() is not None, native_adam._state.get("reason")
+    kernel = native_adam.kernel()
+    assert kernel is not None, native_adam._state.get("reason")
+    assert kernel.dtypes == {torch.float32, torch.bfloat16}, native_adam._state.get("reason")
 
 
-def _run(numel, group_kwargs, adamw, steps, grad_scale, native, seed=0):
-    """`steps` updates of one bf16 parameter through update_slots; returns master, m, v, weight."""
+@needs_compiler
+def test_a_dtype_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch, caplog):
+    """If the bf16 variant differed from torch here, only fp32 masters would use the kernel."""
+    check = native_adam._matches_torch
+    monkeypatch.setattr(native_adam, "_matches_torch",
+                        lambda k, dtype: "forced mismatch" if dtype == torch.bfloat16 else check(k, dtype))
+    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+        kernel = native_adam.kernel()
+    assert kernel.dtypes == {torch.float32}
+    assert "forced mismatch" in caplog.text
+    master, *_ = _run(64, {"lr": 1e-3}, True, 2, 0.5, native=True, master_weights=False)
+    ref, *_ = _run(64, {"lr": 1e-3}, True, 2, 0.5, native=False, master_weights=False)
+    assert torch.equal(master, ref)
+
+
+def _run(numel, group_kwargs, adamw, steps, grad_scale, native, seed=0, master_weights=True):
+    """`steps` updates of one bf16 parameter through update_slots; returns master, m, v,
+    weight (without master weights the bf16 weight is updated in place: master is weight)."""
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(numel, generator=gen) * 3
+    if not master_weights:
+        master = master.to(torch.bfloat16)
     slot = HostSlot(param=torch.zeros(1), master=master,
                     grad=torch.empty(numel, dtype=torch.bfloat16),
-                    weight_stage=torch.empty(numel, dtype=torch.bfloat16))
+                    weight_stage=torch.empty(numel, dtype=torch.bfloat16) if master_weights else None)
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     opt = cls([master], fused=True, **group_kwargs)
     groups = {master: opt.param_groups[0]}
@@ -56,11 +76,12 @@ def _run(numel, group_kwargs, adamw, steps, grad_scale, native, seed=0):
     finally:
         host_update.USE_NATIVE = True
     st = opt.state[master]
-    return master, st["exp_avg"], st["exp_avg_sq"], slot.weight_stage
+    return master, st["exp_avg"], st["exp_avg_sq"], slot.weight_source()
 
 
 @needs_compiler
-@pytest.mark.parametrize("numel", [1, 15, 16, 17, 4096 + 13, 3 * (1 << 21) + 5])
+@pytest.mark.parametrize("master_weights", [True, False], ids=["fp32-master", "bf16-no-master"])
+@pytest.mark.parametrize("numel", [1, 15, 16, 17, 63, 64, 65, 4096 + 13, 3 * (1 << 21) + 5])
 @pytest.mark.parametrize(
     "adamw,group_kwargs,grad_scale",
     [
@@ -72,13 +93,16 @@ def _run(numel, group_kwargs, adamw, steps, grad_scale, native, seed=0):
     ],
     ids=["adamw", "adamw-maximize-scaled-beta1-half", "adamw-beta1-low", "adam-l2", "adam-beta1-zero"],
 )
-def test_one_pass_update_is_bitwise_torch_fused(numel, adamw, group_kwargs, grad_scale):
+def test_one_pass_update_is_bitwise_torch_fused(numel, adamw, group_kwargs, grad_scale, master_weights):
     if numel > 1 << 20 and group_kwargs.get("maximize") is not True:
         pytest.skip("one large size is enough: it spans several threads' ranges and a ragged tail")
-    native = _run(numel, group_kwargs, adamw, 3, grad_scale, native=True)
-    torch_path = _run(numel, group_kwargs, adamw, 3, grad_scale, native=False)
+    if numel in (63, 64, 65) and master_weights:
+        pytest.skip("bf16 block edges; fp32 masters have theirs at 15/16/17")
+    native = _run(numel, group_kwargs, adamw, 3, grad_scale, native=True, master_weights=master_weights)
+    torch_path = _run(numel, group_kwargs, adamw, 3, grad_scale, native=False, master_weights=master_weights)
     for name, a, b in zip(["master", "exp_avg", "exp_avg_sq", "bf16 weight"], native, torch_path):
         assert torch.equal(a, b), f"{name} differs"
+    assert native[0].dtype == (torch.float32 if master_weights else torch.bfloat16)
     # And the bf16 weight is exactly the rounded master, as torch's .to(bfloat16) gives.
     assert torch.equal(native[3], native[0].to(torch.bfloat16))
 
@@ -108,12 +132,20 @@ def test_refuses_tensors_it_cannot_update():
     args = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, step=1.0,
                 adamw=True, maximize=False, grad_scale=None, num_threads=1)
     f32, bf16 = torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="multiple of"):
         kernel.step(torch.zeros(17), torch.zeros(17, dtype=torch.bfloat16), torch.zeros(17),
                     torch.zeros(17), None, **args)
-    with pytest.raises(ValueError, match="fp32 master and bf16"):
+    with pytest.raises(ValueError, match="multiple of"):  # bf16 weights: 64-element blocks
+        kernel.step(bf16.clone(), bf16.clone(), bf16.clone(), bf16.clone(), None, **args)
+    with pytest.raises(ValueError, match="bf16 gradient"):
         kernel.step(f32, f32.clone(), f32.clone(), f32.clone(), None, **args)
-    with pytest.raises(ValueError, match="multiple of 16"):
+    with pytest.raises(ValueError, match="bf16 gradient"):  # fp32 moments with a bf16 weight
+        b64 = torch.zeros(64, dtype=torch.bfloat16)
+        kernel.step(b64, b64.clone(), torch.zeros(64), torch.zeros(64), None, **args)
+    with pytest.raises(ValueError, match="bf16 gradient"):  # no weight_out without a master
+        b64 = torch.zeros(64, dtype=torch.bfloat16)
+        kernel.step(b64, b64.clone(), b64.clone(), b64.clone(), b64.clone(), **args)
+    with pytest.raises(ValueError, match="multiple of"):
         kernel.step(torch.zeros(2 * n)[::2], bf16, f32.clone(), f32.clone(), None, **args)
 
 

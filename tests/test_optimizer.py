@@ -314,6 +314,38 @@ def test_overlap_next_step_matches_scale_then_step(name):
     assert_same_params(ref_model, model, exact=True)
 
 
+@pytest.mark.parametrize("announced", [True, False], ids=["overlap_next_step", "step-only"])
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_accumulate_on_device_keeps_grads_until_the_last_backward(announced, clip):
+    """accumulate_on_device: .grad stays on the device for non-final micro-batches and is
+    offloaded in the announced last backward (else when step/scale/clip need it); the
+    result is torch's AdamW's, bit for bit, with and without clipping."""
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
+    ref_model, model = twins()
+    ref = torch.optim.AdamW(trainable(ref_model), **kwargs)
+    opt = offload(model, offload_gradients=True, accumulate_on_device=True, **kwargs)
+    train(ref_model, ref, 3, accum=3, clip=clip)
+    for step in range(3):
+        for micro in range(3):
+            last = micro == 2
+            if last and announced and clip is None:
+                opt.overlap_next_step(grad_scale=1.0 / 24)
+            x, y = batch(step, micro, "cpu")
+            ((model(x) - y) ** 2).sum().backward()
+            on_device = [p.grad is not None for p in trainable(model)]
+            assert all(on_device) if not (last and opt.overlapping) else not any(on_device)
+        if not opt.overlapping:
+            opt.scale_grads(1.0 / 24)
+            assert all(p.grad is None for p in trainable(model))  # now on the host
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+    assert_same_params(ref_model, model, exact=True)
+    with pytest.raises(ValueError, match="offload_gradients=True"):
+        offload(make_model(), accumulate_on_device=True)
+
+
 def test_overlap_refuses_late_scaling_or_clipping():
     """Once updates run during backward, scaling or clipping afterwards raises."""
     model = make_model()

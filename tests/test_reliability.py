@@ -2,6 +2,7 @@
 
 import copy
 import logging
+import time
 import traceback
 
 import pytest
@@ -281,3 +282,64 @@ def test_pinning_failure_falls_back_to_pageable_memory(monkeypatch, caplog):
     a.fill_(1.0)
     b.fill_(2.0)
     assert arena.blocks[0].tolist() == [1.0] * 3 + [2.0] * 5
+
+
+def test_host_worker_runs_urgent_jobs_before_queued_updates():
+    """An accumulated gradient's addition (urgent) does not wait behind queued updates."""
+    from offload_plugin.host_worker import HostWorker
+    import threading
+
+    worker, order, gate = HostWorker(1), [], threading.Event()
+    worker.submit(gate.wait)  # holds the thread while the queue fills
+    for i in range(3):
+        worker.submit(lambda i=i: order.append(f"update{i}"))
+    worker.submit(lambda: order.append("add0"), urgent=True)
+    worker.submit(lambda: order.append("add1"), urgent=True)
+    gate.set()
+    worker.drain()
+    worker.close()
+    assert order == ["add0", "add1", "update0", "update1", "update2"]
+    assert worker.busy_s > 0
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
+def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(delayed):
+    """With offload_gradients, each micro-batch's gradient is added to the host sum by the
+    host worker while backward goes on, not inside the backward hook; training still
+    matches torch's AdamW (the delayed mode's own reference is in test_delayed_update)."""
+    import threading
+
+    adders = []
+
+    class RecordingLock:  # who holds a slot's lock while an addition is pending does it
+        def __init__(self, slot):
+            self.slot, self.lock = slot, threading.Lock()
+
+        def __enter__(self):
+            self.lock.acquire()
+            if self.slot.incoming_pending:
+                adders.append(threading.current_thread().name)
+
+        def __exit__(self, *exc):
+            self.lock.release()
+
+    ref_model = make_model()
+    model = copy.deepcopy(ref_model)
+    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    ours = offload(model, lr=1e-2, offload_gradients=True, delayed_update=delayed)
+    for slot in ours._slot_list:
+        slot.settle_lock = RecordingLock(slot)
+    train(ref_model, ref, 3, accum=3)
+    for step in range(3):
+        for micro in range(3):
+            x, y = batch(step, micro, "cpu")
+            ((model(x) - y) ** 2).sum().backward()
+            time.sleep(0.1)  # as if the next micro-batch's forward ran: the worker adds now
+        ours.scale_grads(1.0 / 24)
+        ours.step()
+        ours.zero_grad()
+    if not delayed:
+        assert_same_params(ref_model, model, exact=True)
+    # 3 micro-batches: 2 additions per parameter and step, none on the training thread.
+    assert len(adders) == 3 * 2 * len(trainable(model))
+    assert set(adders) == {"offload-host-update"}, adders

@@ -1,6 +1,8 @@
 // One pass of Adam/AdamW over fp32 master weights with bf16 gradients, writing the
 // updated weight back in bf16: the work torch does in three passes (upcast the gradient,
 // torch._fused_adamw_, downcast the master), done while each element is in registers.
+// A second entry point updates bf16 weights and moments in place (no master weights),
+// with the gradient scaled in bf16 first, as `g * scale` on a bf16 tensor rounds it.
 //
 // Bit-exactness with torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp,
 // vectorized body) comes from doing the same IEEE fp32 operations in the same order:
@@ -50,62 +52,66 @@ struct Coefficients {
   bool has_decay;
 };
 
-template <bool kLerpFromAvg, bool kAdamW, bool kDecay, bool kScale, bool kMaximize>
-void update_range(float* __restrict master, const uint16_t* __restrict grad,
-                  float* __restrict exp_avg, float* __restrict exp_avg_sq,
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_float(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(uint16_t* p, int64_t i, float v) { p[i] = float_to_bf16(v); }
+
+// S: the storage type of the weight being updated and of both moments (float, or
+// uint16_t for bf16). Arithmetic is fp32 throughout; values are rounded only when stored.
+template <typename S, bool kLerpFromAvg, bool kAdamW, bool kDecay, bool kScale, bool kMaximize>
+void update_range(S* __restrict master, const uint16_t* __restrict grad,
+                  S* __restrict exp_avg, S* __restrict exp_avg_sq,
                   uint16_t* __restrict weight_out, int64_t begin, int64_t end,
                   const Coefficients& c) {
+  constexpr bool kBf16State = sizeof(S) == 2;
   const float decay = c.decay, l2 = c.l2, coeff = c.lerp_coeff, beta2 = c.beta2,
               b2c = c.one_minus_beta2, bc2 = c.bias_correction2_sqrt, eps = c.eps,
               nss = c.neg_step_size, scale = c.grad_scale;
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
-    float p = master[i];
+    float p = load(master, i);
     float g = bf16_to_float(grad[i]);
-    if (kScale) g = g * scale;
+    if (kScale) {
+      g = g * scale;
+      if (kBf16State) g = bf16_to_float(float_to_bf16(g));  // the scaled bf16 gradient
+    }
     if (kMaximize) g = g * -1.0f;
     if (kDecay) {
       if (kAdamW) p = p * decay;
       else g = std::fma(p, l2, g);  // contracted in torch's build too
     }
-    float m = exp_avg[i];
+    float m = load(exp_avg, i);
     m = kLerpFromAvg ? std::fma(coeff, g - m, m) : std::fma(coeff, g - m, g);
     // torch's binary computes `v * beta2 + c * g * g` with the last product fused into
     // the addition (its build contracts it); the self-check pins this down.
-    float v = std::fma(b2c * g, g, exp_avg_sq[i] * beta2);
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
+    float v = std::fma(b2c * g, g, load(exp_avg_sq, i) * beta2);
+    store(exp_avg, i, m);
+    store(exp_avg_sq, i, v);
     float denom = std::sqrt(v) / bc2 + eps;
     p = p + nss * m / denom;
-    master[i] = p;
-    if (weight_out) weight_out[i] = float_to_bf16(p);
+    store(master, i, p);
+    if (!kBf16State && weight_out) weight_out[i] = float_to_bf16(p);
   }
 }
 
-using RangeFn = void (*)(float*, const uint16_t*, float*, float*, uint16_t*, int64_t,
-                         int64_t, const Coefficients&);
+template <typename S>
+using RangeFn = void (*)(S*, const uint16_t*, S*, S*, uint16_t*, int64_t, int64_t,
+                         const Coefficients&);
 
-template <bool A, bool B, bool C, bool D>
-RangeFn pick5(bool e) { return e ? update_range<A, B, C, D, true> : update_range<A, B, C, D, false>; }
-template <bool A, bool B, bool C>
-RangeFn pick4(bool d, bool e) { return d ? pick5<A, B, C, true>(e) : pick5<A, B, C, false>(e); }
-template <bool A, bool B>
-RangeFn pick3(bool c, bool d, bool e) { return c ? pick4<A, B, true>(d, e) : pick4<A, B, false>(d, e); }
-template <bool A>
-RangeFn pick2(bool b, bool c, bool d, bool e) { return b ? pick3<A, true>(c, d, e) : pick3<A, false>(c, d, e); }
+template <typename S, bool A, bool B, bool C, bool D>
+RangeFn<S> pick5(bool e) { return e ? update_range<S, A, B, C, D, true> : update_range<S, A, B, C, D, false>; }
+template <typename S, bool A, bool B, bool C>
+RangeFn<S> pick4(bool d, bool e) { return d ? pick5<S, A, B, C, true>(e) : pick5<S, A, B, C, false>(e); }
+template <typename S, bool A, bool B>
+RangeFn<S> pick3(bool c, bool d, bool e) { return c ? pick4<S, A, B, true>(d, e) : pick4<S, A, B, false>(d, e); }
+template <typename S, bool A>
+RangeFn<S> pick2(bool b, bool c, bool d, bool e) { return b ? pick3<S, A, true>(c, d, e) : pick3<S, A, false>(c, d, e); }
 
-}  // namespace
-
-extern "C" {
-
-// Updates elements [0, n) in place. `weight_out` may be null. `step` is the step count
-// after this update (torch increments it first). Returns 0.
-int adam_master_bf16_step(float* master, const uint16_t* grad, float* exp_avg,
-                          float* exp_avg_sq, uint16_t* weight_out, int64_t n, double lr,
-                          double beta1, double beta2, double weight_decay, double eps,
-                          double step, int adamw, int maximize, int has_scale,
-                          float grad_scale, int num_threads) {
-  // Scalars exactly as torch derives them (double, then cast to float where used).
+// Scalars exactly as torch derives them (double, then cast to float where used).
+Coefficients coefficients(double lr, double beta1, double beta2, double weight_decay,
+                          double eps, double step, int adamw, int maximize, int has_scale,
+                          float grad_scale) {
   const double bias_correction1 = 1 - std::pow(beta1, step);
   const double bias_correction2 = 1 - std::pow(beta2, step);
   const double step_size = lr / bias_correction1;
@@ -126,9 +132,14 @@ int adam_master_bf16_step(float* master, const uint16_t* grad, float* exp_avg,
   c.maximize = maximize != 0;
   c.adamw = adamw != 0;
   c.has_decay = weight_decay != 0;
+  return c;
+}
 
-  RangeFn fn = c.lerp_from_avg ? pick2<true>(c.adamw, c.has_decay, c.has_scale, c.maximize)
-                               : pick2<false>(c.adamw, c.has_decay, c.has_scale, c.maximize);
+template <typename S>
+void run(S* master, const uint16_t* grad, S* exp_avg, S* exp_avg_sq, uint16_t* weight_out,
+         int64_t n, const Coefficients& c, int num_threads) {
+  RangeFn<S> fn = c.lerp_from_avg ? pick2<S, true>(c.adamw, c.has_decay, c.has_scale, c.maximize)
+                                  : pick2<S, false>(c.adamw, c.has_decay, c.has_scale, c.maximize);
   // Split into pieces of whole cache lines (16 floats), like torch's kernel.
   constexpr int64_t kUnit = 16;
   const int64_t units = (n + kUnit - 1) / kUnit;
@@ -141,6 +152,35 @@ int adam_master_bf16_step(float* master, const uint16_t* grad, float* exp_avg,
     const int64_t b = u0 * kUnit, e = u1 * kUnit < n ? u1 * kUnit : n;
     if (b < e) fn(master, grad, exp_avg, exp_avg_sq, weight_out, b, e, c);
   }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Updates elements [0, n) in place. `weight_out` may be null. `step` is the step count
+// after this update (torch increments it first). Returns 0.
+int adam_master_bf16_step(float* master, const uint16_t* grad, float* exp_avg,
+                          float* exp_avg_sq, uint16_t* weight_out, int64_t n, double lr,
+                          double beta1, double beta2, double weight_decay, double eps,
+                          double step, int adamw, int maximize, int has_scale,
+                          float grad_scale, int num_threads) {
+  run<float>(master, grad, exp_avg, exp_avg_sq, weight_out, n,
+             coefficients(lr, beta1, beta2, weight_decay, eps, step, adamw, maximize,
+                          has_scale, grad_scale),
+             num_threads);
+  return 0;
+}
+
+// The same for bf16 weights and bf16 moments, updated in place (no master weights).
+int adam_bf16_step(uint16_t* weight, const uint16_t* grad, uint16_t* exp_avg,
+                   uint16_t* exp_avg_sq, int64_t n, double lr, double beta1, double beta2,
+                   double weight_decay, double eps, double step, int adamw, int maximize,
+                   int has_scale, float grad_scale, int num_threads) {
+  run<uint16_t>(weight, grad, exp_avg, exp_avg_sq, nullptr, n,
+                coefficients(lr, beta1, beta2, weight_decay, eps, step, adamw, maximize,
+                             has_scale, grad_scale),
+                num_threads);
   return 0;
 }
 
