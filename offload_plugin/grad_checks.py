@@ -50,6 +50,10 @@ class FiniteRecord:
     def clear(self) -> None:
         self._found, self._seen = None, []
 
+    def known(self) -> bool:
+        """Whether a scale or clip has recorded a verdict since the last clear()."""
+        return self._found is not None
+
     def finite(self, grads: Sequence[torch.Tensor]) -> Optional[bool]:
         """The recorded answer if ``grads`` are exactly what was read, else None (unknown)."""
         if self._found is None or len(grads) != len(self._seen):

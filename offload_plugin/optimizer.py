@@ -151,7 +151,11 @@ class CPUOffloadOptimizer(Optimizer):
             host buffers with ``offload_gradients``. Updated weights are copied back as
             each parameter's gradient is final in the next step's last backward (see
             :meth:`overlap_next_step`), else at the next ``step()``. ``state_dict()``
-            completes the pending update first. Default: ``False``.
+            completes the pending update first. Without ``scale_grads`` or clipping
+            (``overlap_next_step(grad_scale)`` scales), each update scales and checks its
+            own gradient, so step() itself reads no gradient; a parameter with an inf/NaN
+            gradient is then left unchanged while the others update, and the warning or
+            error comes from the next ``step()``. Default: ``False``.
         host_threads (int, optional): CPU threads for the host update. Default: all but
             one with a GPU (that core launches the GPU work), all without one.
         accumulate_on_device (bool): with ``offload_gradients`` and gradient accumulation,
@@ -671,6 +675,16 @@ class CPUOffloadOptimizer(Optimizer):
         """Finish the previous step's update, then start this one's and return."""
         try:
             self._finish_pending()
+            if self._judge_in_jobs():
+                # Nothing has read all gradients this step (no scale_grads, no clipping):
+                # each job scales its gradient inside the update (overlap_next_step's
+                # grad_scale) and checks it first, so the training thread makes no pass
+                # over the gradients while the GPU waits for the next forward.
+                grad_scale, self._deferred_scale = self._deferred_scale, None
+                self._settled_host_grads()
+                plan = self._prepare_updates(grad_scale, check_each=True, wait_pushes=False)
+                self._submit_delayed(plan)
+                return
             grads = self._grads_in_place("step()")
             self._warn_if_unscaled()
             if not self._grads_finite(grads):
@@ -679,27 +693,45 @@ class CPUOffloadOptimizer(Optimizer):
             if not self.offload_gradients:
                 self._copy_device_grads_to_host()
             plan = self._prepare_updates(grad_scale=None, check_each=False, wait_pushes=False)
-            for slot in self._slots():
-                if not slot.has_grad:
-                    continue
-                job_slot = dataclasses.replace(slot)  # this step's gradient buffer and events
-                if slot.grad_spare is not None:  # the next backward lands in the other one
-                    slot.grad, slot.grad_spare = slot.grad_spare, slot.grad
-                slot.has_grad, slot.grad_event = False, None
-                plan["submitted"].add(slot.master)
-                self._worker.submit(partial(self._delayed_update, slot, job_slot, plan))
-            self._pending = plan
+            self._submit_delayed(plan)
         finally:
             self._final_backward, self._deferred_scale = False, None
             if not self.offload_gradients:
                 for slot in self._slot_list:
                     slot.has_grad = False
 
+    def _judge_in_jobs(self) -> bool:
+        """delayed_update: whether this step's scaling and inf/NaN check can move into the
+        per-parameter jobs: gradients offloaded and announced by overlap_next_step, and
+        untouched since (a scale or clip already read them all; then its verdict is
+        reused). Not for sharded parameters, whose ranks must agree on one verdict."""
+        return (
+            self.offload_gradients and self._final_backward and not self._meshes
+            and not self._finite.known()
+        )
+
+    def _submit_delayed(self, plan: dict) -> None:
+        """Hand every parameter with a gradient to the worker; the next backward lands in
+        the other gradient buffer."""
+        for slot in self._slots():
+            if not slot.has_grad:
+                continue
+            job_slot = dataclasses.replace(slot)  # this step's gradient buffer and events
+            if slot.grad_spare is not None:  # the next backward lands in the other one
+                slot.grad, slot.grad_spare = slot.grad_spare, slot.grad
+            slot.has_grad, slot.grad_event = False, None
+            plan["submitted"].add(slot.master)
+            self._worker.submit(partial(self._delayed_update, slot, job_slot, plan))
+        self._pending = plan
+
     def _delayed_update(self, slot: HostSlot, job_slot: HostSlot, plan: dict) -> None:
         """Worker job: update one parameter, then send it if the device is done with it."""
         Transfers.wait(slot.push_event)  # the previous weight has left the stage
         self._settle(job_slot)
-        update_slots(self._host_optimizer, plan["groups"], [job_slot])
+        if plan["check_each"] and not all_finite([job_slot.grad]):
+            plan["nonfinite"].append(slot)  # unchanged; nothing to send
+            return
+        update_slots(self._host_optimizer, plan["groups"], [job_slot], plan["grad_scale"])
         with self._push_lock:
             slot.push_ready = True
             if slot.free_to_push:
@@ -740,6 +772,11 @@ class CPUOffloadOptimizer(Optimizer):
             for slot in self._slot_list:
                 slot.push_ready = slot.free_to_push = False
             self._transfers.order_compute_after(self._last_push)
+        if plan["nonfinite"]:  # judged in the jobs: reported one step late
+            self._nonfinite_step(
+                updated=len(plan["submitted"]) - len(plan["nonfinite"]),
+                skipped=len(plan["nonfinite"]),
+            )
 
     def _ready_grads(self) -> list[torch.Tensor]:
         """The gradients the next update would use (device .grad, or settled host copies)."""
@@ -765,9 +802,9 @@ class CPUOffloadOptimizer(Optimizer):
         what = (
             f"{skipped} parameters had an inf or NaN gradient; their master weights and "
             "optimizer state are unchanged"
-            + (f", while {updated} parameters whose gradients arrived earlier during "
-               "backward (overlap_next_step) were updated" if updated else
-               ": the step was skipped")
+            + (f", while the other {updated} parameters were updated (with "
+               "overlap_next_step or delayed_update each update checks its own gradient)"
+               if updated else ": the step was skipped")
         )
         if self.nonfinite_grads == "raise":
             raise FloatingPointError(

@@ -42,17 +42,20 @@ class StaleByOne:
             self.pending = None
 
 
-def _train(model, opt, steps, *, start=0, accum=3, clip=None, ours=True):
-    """torchtune's order; ours announces the last backward as our recipes do."""
+def _train(model, opt, steps, *, start=0, accum=3, clip=None, ours=True, scale_in_overlap=False):
+    """torchtune's order; ours announces the last backward as our recipes do, with the
+    gradient scale given there (``scale_in_overlap``, our recipes without clipping) or
+    applied by scale_grads."""
     device = next(model.parameters()).device
     for step in range(start, start + steps):
         for micro in range(accum):
             if ours and opt.offload_gradients and micro == accum - 1:
-                opt.overlap_next_step()
+                opt.overlap_next_step(grad_scale=1.0 / (8 * accum) if scale_in_overlap else None)
             x, y = batch(step, micro, device)
             ((model(x) - y) ** 2).sum().backward()
         if ours:
-            opt.scale_grads(1.0 / (8 * accum))
+            if not scale_in_overlap:
+                opt.scale_grads(1.0 / (8 * accum))
             if clip is not None:
                 opt.clip_grad_norm_(clip)
             opt.step()
@@ -90,6 +93,63 @@ def test_applies_each_gradient_one_step_late_exactly(device, grads, clip):
     opt.state_dict()  # completes the pending update
     ref.flush()
     assert_same_params(model, ref_model, exact=device == "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("accumulate_on_device", [False, True])
+def test_scale_given_to_overlap_is_applied_in_the_jobs_exactly(device, accumulate_on_device, monkeypatch):
+    """overlap_next_step(grad_scale) without scale_grads or clipping: step() reads no
+    gradient (each job scales and checks its own); still gradient t applied at t+1."""
+    import offload_plugin.optimizer as optimizer_module
+
+    model = make_model(device)
+    ref_model = copy.deepcopy(model)
+    opt = offload(model, delayed_update=True, offload_gradients=True,
+                  accumulate_on_device=accumulate_on_device, **KW)
+    ref = StaleByOne(ref_model, **KW)
+    checked_on = []
+    check = optimizer_module.all_finite
+
+    def spy(grads):
+        import threading
+        checked_on.append(threading.current_thread().name)
+        return check(grads)
+
+    monkeypatch.setattr(optimizer_module, "all_finite", spy)
+    for step in range(4):
+        _train(model, opt, 1, start=step, scale_in_overlap=True)
+        _train(ref_model, ref, 1, start=step, ours=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        assert_same_params(model, ref_model, exact=device == "cpu")
+    opt.state_dict()
+    ref.flush()
+    assert_same_params(model, ref_model, exact=device == "cpu")
+    assert checked_on and set(checked_on) == {"offload-host-update"}, set(checked_on)
+
+
+def test_nonfinite_gradient_judged_in_the_jobs_spares_its_parameter(caplog):
+    """A NaN reaching a delayed update that checks its own gradient: that parameter keeps
+    its weight and state, the others update, and the next step() warns."""
+    model = make_model()
+    opt = offload(model, delayed_update=True, offload_gradients=True, **KW)
+    _train(model, opt, 1, scale_in_overlap=True)
+    opt.state_dict()  # completes step 0's update: state exists and is at rest
+    opt.overlap_next_step(grad_scale=0.5)
+    x, y = batch(1, 0, "cpu")
+    ((model(x) - y) ** 2).sum().backward()
+    bad = opt._slot_of[trainable(model)[0]]
+    bad.grad.view(-1)[0] = float("nan")  # arrived on the host
+    before = {k: v.clone() for k, v in opt.state[trainable(model)[0]].items()}
+    others = [opt._slot_of[p].master.clone() for p in trainable(model)[1:]]
+    opt.step()  # returns at once; the update runs in the background
+    opt.zero_grad()
+    with caplog.at_level("WARNING"):
+        opt.state_dict()  # completes the pending update
+    after = opt.state[trainable(model)[0]]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(not torch.equal(a, opt._slot_of[p].master) for a, p in zip(others, trainable(model)[1:]))
+    assert "1 parameters had an inf or NaN gradient" in caplog.text
 
 
 def test_differs_from_exact_mode():
