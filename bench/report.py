@@ -1,4 +1,4 @@
-"""Turn every bench/results/*.json written by bench_train.py into one markdown section.
+"""Turn every bench/results/*.json (bench_train.py's and bench_fsdp2.py's) into one markdown section.
 
     python bench/report.py                # prints markdown for the README
     python bench/report.py --results DIR  # another folder
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_fsdp2  # noqa: E402
 from bench_train import describe, markdown_table, reference_line  # noqa: E402
 
 ORDER = {"tiny": 0, "llama3_2_1b": 1, "llama3_1_8b": 2}
@@ -18,7 +19,9 @@ ORDER = {"tiny": 0, "llama3_2_1b": 1, "llama3_1_8b": 2}
 def sort_key(run):
     a = run["args"]
     model = "tiny" if a["tiny"] else a["model"]
-    return (ORDER.get(model, 9), a["job"], a["tokens_per_step"], a["grad_accum"], run["date"])
+    # FSDP2 runs ("kind": "fsdp2", no --job) after the single-GPU ones of their model.
+    return (ORDER.get(model, 9), a.get("job", "full"), run.get("kind", ""), a["tokens_per_step"],
+            a["grad_accum"], run["date"])
 
 
 def main() -> None:
@@ -30,13 +33,15 @@ def main() -> None:
     print("Random-init torchtune models in bf16, random tokens, torchtune's chunked "
           "cross-entropy; step time is the synchronized mean after warm-up steps, peak GPU "
           "memory is `torch.cuda.max_memory_allocated`, host RSS is the process peak. "
-          "Produced by `bench/bench_train.py`.\n")
+          "Produced by `bench/bench_train.py`; the FSDP2 tables by `bench/bench_fsdp2.py` "
+          "(peak GPU memory of the fullest rank, host memory summed over ranks).\n")
     if not runs:
         print(f"(no results in {args.results})")
     for run in sorted(runs, key=sort_key):
         v = run["versions"]
-        print(f"### {describe(run)}\n")
-        print(markdown_table(run["results"]) + "\n")
+        fsdp2 = run.get("kind") == "fsdp2"
+        print(f"### {(bench_fsdp2.describe if fsdp2 else describe)(run)}\n")
+        print((bench_fsdp2.markdown_table if fsdp2 else markdown_table)(run["results"]) + "\n")
         ref = run.get("cpu_adamw_reference")
         if ref:
             print(reference_line(ref, run.get("trainable_params", ref["numel"])) + "\n")
@@ -44,7 +49,7 @@ def main() -> None:
         if notes:
             print("Notes: " + "; ".join(notes) + "\n")
         print(f"<sub>torch {v.get('torch')}, torchtune {v.get('torchtune')}, torchao "
-              f"{v.get('torchao')}, bitsandbytes {v.get('bitsandbytes')}; "
+              f"{v.get('torchao')}, bitsandbytes {v.get('bitsandbytes', '-')}; "
               f"commit {(run.get('git_commit') or '?')[:10]}</sub>\n")
 
 

@@ -7,6 +7,9 @@
 #   bash bench/run_h200.sh qlora    # Llama-3.1-8B QLoRA 4k
 #   bash bench/run_h200.sh 8b       # Llama-3.1-8B full 4k and 16k (ga 4 + AC), no master weights
 #                                   # (fp32 masters for 8B need ~128 GB of host memory; this host has 125)
+#   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
+#                                   # GPU AdamW, FSDP2's CPUOffloadPolicy, ours (each rank its shard);
+#                                   # about 4-6 minutes, at most 7 (--time-budget)
 # Results: bench/results/*.json (copied to $OUT if set); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
@@ -17,6 +20,12 @@ bench() {  # name, args...
     local name=$1; shift
     echo "== $name: $*"
     python3 bench/bench_train.py "$@" --out "bench/results/$(date +%F)-$name.json" >"$OUT/$name.md" 2>"$OUT/$name.log" || status=1
+    cat "$OUT/$name.md"
+}
+bench_fsdp2() {  # name, args...: like bench(), with bench_fsdp2.py (torchrun per optimizer)
+    local name=$1; shift
+    echo "== $name: $*"
+    python3 bench/bench_fsdp2.py "$@" --out "bench/results/$(date +%F)-$name.json" >"$OUT/$name.md" 2>"$OUT/$name.log" || status=1
     cat "$OUT/$name.md"
 }
 for stage in "$@"; do
@@ -38,6 +47,14 @@ for stage in "$@"; do
         bench llama3_1_8b-full-16384-ga4-ac --model llama3_1_8b --job full --tokens-per-step 16384 --seq-len 2048 \
             --grad-accum 4 --activation-checkpointing --steps 4 --warmup 1 \
             --optimizers gpu_adamw,offload_grads_nomaster,offload_grads_nomaster_delayed,torchao,bnb_paged8bit ;;
+    fsdp2)
+        # Global 16384 tokens = 2 ranks x 2 micro-batches x 2 sequences of 2048. A child that
+        # hangs or crawls is stopped at 150 s and recorded; the stage stops starting new ones
+        # after 420 s.
+        bench_fsdp2 fsdp2-llama3_1_8b-full-16384-ga2-ac --model llama3_1_8b --nproc 2 --tokens-per-step 16384 \
+            --seq-len 2048 --grad-accum 2 --activation-checkpointing --steps 4 --warmup 1 \
+            --child-timeout 150 --time-budget 420 \
+            --optimizers fsdp_gpu_adamw,fsdp_cpu_offload_policy,offload_grads,offload_grads_nomaster ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done
