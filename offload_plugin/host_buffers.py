@@ -212,7 +212,11 @@ def _copy_weights_in(
 
 
 def _span(views: list[torch.Tensor]) -> torch.Tensor:
-    """One 1-D tensor over consecutive views of a block (as ``HostArena.allocate`` returns)."""
-    first, last = views[0], views[-1]
-    n = (last.data_ptr() - first.data_ptr()) // first.element_size() + last.numel()
-    return first.as_strided((n,), (1,))
+    """One 1-D tensor over consecutive views of a block (as ``HostArena.allocate`` returns).
+
+    By storage offsets, not data pointers: an empty view (an FSDP2 rank's empty shard)
+    reports a null data pointer.
+    """
+    start = views[0].storage_offset()
+    end = max(v.storage_offset() + v.numel() for v in views)
+    return views[0].as_strided((end - start,), (1,), start)

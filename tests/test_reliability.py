@@ -343,3 +343,15 @@ def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(d
     # 3 micro-batches: 2 additions per parameter and step, none on the training thread.
     assert len(adders) == 3 * 2 * len(trainable(model))
     assert set(adders) == {"offload-host-update"}, adders
+
+
+def test_block_span_covers_views_with_empty_ends():
+    """Weights are widened block by block over consecutive views; an empty view (a rank's
+    empty FSDP2 shard) first or last must not break the span (its data pointer is null)."""
+    from offload_plugin.host_buffers import HostArena, _span
+
+    views = HostArena(pin=False).allocate([0, 3, 0, 5, 0], torch.float32)
+    span = _span(views)
+    assert span.numel() == 8 and span.data_ptr() == views[1].data_ptr()
+    span.copy_(torch.arange(8.0))
+    assert views[1].tolist() == [0.0, 1.0, 2.0] and views[3].tolist() == [3.0, 4.0, 5.0, 6.0, 7.0]
