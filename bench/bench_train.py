@@ -67,8 +67,10 @@ class Skip(Exception):
 def _ours(model, trainable, args, **kw):
     from offload_plugin import CPUOffloadOptimizer
 
-    _check_host_memory(trainable, args, **kw)
+    _check_host_memory(trainable, args, **kw)  # (an upper bound with --device-fraction)
     # model.parameters(), frozen NF4 weights included, as torchtune's recipes pass them.
+    if args.device_fraction:
+        kw["device_fraction"] = args.device_fraction
     return CPUOffloadOptimizer(model.parameters(), lr=LR, fused=True,
                                host_threads=args.host_threads, **kw)
 
@@ -491,6 +493,8 @@ def parse_args(argv=None):
                         "where a busy core makes 2 threads crawl)")
     p.add_argument("--host-threads", type=int, default=None,
                    help="CPUOffloadOptimizer(host_threads=...) (default: all cores but one)")
+    p.add_argument("--device-fraction", type=float, default=0.0,
+                   help="CPUOffloadOptimizer(device_fraction=...): share updated on the GPU")
     p.add_argument("--ref-numel-cap", type=int, default=2**28,
                    help="max elements for the standalone CPU AdamW figure (16 B each)")
     p.add_argument("--child-timeout", type=float, default=1800, help="seconds per optimizer")

@@ -21,6 +21,7 @@ from offload_plugin.checkpoint_compat import (
 )
 from offload_plugin.grad_checks import NONFINITE_POLICIES, FiniteRecord, all_finite
 from offload_plugin import distributed, host_memory
+from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.host_buffers import HostArena, HostSlot, allocate_landing, build_slots
 from offload_plugin.host_update import update_slots
@@ -84,29 +85,41 @@ class _StateByParam(MutableMapping):
     def __init__(self, owner: "CPUOffloadOptimizer") -> None:
         self._owner = owner
 
-    def _host(self, param: torch.Tensor) -> torch.Tensor:
-        return self._owner._slot_of[param].master
+    def _where(self, param: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """The state mapping that holds ``param``'s state, and its key there."""
+        owner = self._owner
+        slot = owner._slot_of.get(param)
+        if slot is not None:
+            return owner._host_optimizer.state, slot.master
+        if owner._device_share is not None and param in owner._device_share:
+            return owner._device_share.optimizer.state, owner._device_share.target[param]
+        raise KeyError(param)
 
     def __getitem__(self, param):
-        # The host optimizer's state is a defaultdict, as torch's optimizers' state is.
-        return self._owner._host_optimizer.state[self._host(param)]
+        # Both optimizers' state is a defaultdict, as torch's optimizers' state is.
+        state, key = self._where(param)
+        return state[key]
 
     def __setitem__(self, param, value):
-        self._owner._host_optimizer.state[self._host(param)] = value
+        state, key = self._where(param)
+        state[key] = value
 
     def __delitem__(self, param):
-        del self._owner._host_optimizer.state[self._host(param)]
+        state, key = self._where(param)
+        del state[key]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        host_state = self._owner._host_optimizer.state
-        return (s.param for s in self._owner._slots() if s.master in host_state)
+        return (p for p in self._owner._params() if p in self)
 
     def __len__(self) -> int:
         return sum(1 for _ in self)
 
     def __contains__(self, param) -> bool:
-        slot = self._owner._slot_of.get(param)
-        return slot is not None and slot.master in self._owner._host_optimizer.state
+        try:
+            state, key = self._where(param)
+        except (KeyError, TypeError):
+            return False
+        return key in state
 
     def __repr__(self) -> str:
         return repr(dict(self.items()))
@@ -158,6 +171,14 @@ class CPUOffloadOptimizer(Optimizer):
             error comes from the next ``step()``. Default: ``False``.
         host_threads (int, optional): CPU threads for the host update. Default: all but
             one with a GPU (that core launches the GPU work), all without one.
+        device_fraction (float): partial offload. Keep the update of the first trainable
+            parameters (in the order given; for torchtune models the embeddings and first
+            layers, whose gradients arrive last in backward), up to this fraction of all
+            trainable elements, on the device with an ordinary ``optimizer_cls`` there. Costs
+            their optimizer state (and fp32 masters) in device memory; saves that share of
+            the host update, and the tail the next forward waits for. Their gradients stay
+            on the device. Chosen at construction; groups added later are offloaded. With
+            ``delayed_update`` they update without delay. Default: ``0.0`` (all on the host).
         accumulate_on_device (bool): with ``offload_gradients`` and gradient accumulation,
             leave the gradients on the device until the last backward of the window, which
             :meth:`overlap_next_step` announces (else ``step()``, ``scale_grads`` or
@@ -195,6 +216,7 @@ class CPUOffloadOptimizer(Optimizer):
         delayed_update: bool = False,
         host_threads: Optional[int] = None,
         accumulate_on_device: bool = False,
+        device_fraction: float = 0.0,
         **optimizer_kwargs: Any,
     ) -> None:
         if nonfinite_grads not in NONFINITE_POLICIES:
@@ -215,6 +237,16 @@ class CPUOffloadOptimizer(Optimizer):
                 "it, gradients stay on the device anyway)."
             )
         self.accumulate_on_device = bool(accumulate_on_device)
+        if not (isinstance(device_fraction, (int, float)) and 0 <= device_fraction < 1):
+            raise ValueError(
+                f"device_fraction must be in [0, 1), got {device_fraction!r}; to keep the "
+                "whole optimizer on the device, use optimizer_cls directly."
+            )
+        self.device_fraction = float(device_fraction)
+        self._keep_ids: set[int] = set()
+        if self.device_fraction and not isinstance(params, torch.Tensor):
+            params = list(params)  # read twice: to choose the kept share, then by torch
+            self._keep_ids = choose_kept(params, self.device_fraction)
         if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
             raise ValueError(f"host_threads must be a positive int or None, got {host_threads!r}")
         self.host_threads = host_threads
@@ -224,6 +256,9 @@ class CPUOffloadOptimizer(Optimizer):
         defaults = dict(self.optimizer_cls([torch.zeros(1)], **optimizer_kwargs).defaults)
 
         self._host_optimizer: Optional[Optimizer] = None
+        self._device_share: Optional[DeviceShare] = (
+            DeviceShare(self.optimizer_cls, optimizer_kwargs, master_weights) if self._keep_ids else None
+        )
         self._slot_list: list[HostSlot] = []
         self._slot_of: dict[torch.Tensor, HostSlot] = {}
         # Device meshes of DTensor (FSDP2) parameters: the ranks whose gradients count in
@@ -243,7 +278,8 @@ class CPUOffloadOptimizer(Optimizer):
         self._final_backward = False
         self._deferred_scale: Optional[float] = None
         self._push_lock = threading.Lock()
-        self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0}
+        self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0,
+                        "on_device": 0, "on_device_numel": 0}
         self._scaled_since_zero_grad = False
         self._warned_unscaled = False
 
@@ -258,9 +294,12 @@ class CPUOffloadOptimizer(Optimizer):
                 "get_adapter_params(model))); otherwise check what was passed as params."
             )
         log.info(
-            "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) on the host; "
+            "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) on the host%s; "
             "skipped %d frozen tensors (%s elements).",
-            self.optimizer_cls.__name__, c["kept"], f"{c['kept_numel']:,}",
+            self.optimizer_cls.__name__, c["kept"] - c["on_device"],
+            f"{c['kept_numel'] - c['on_device_numel']:,}",
+            f" and {c['on_device']} ({c['on_device_numel']:,} elements) on the device"
+            if c["on_device"] else "",
             c["frozen"], f"{c['frozen_numel']:,}",
         )
 
@@ -312,6 +351,13 @@ class CPUOffloadOptimizer(Optimizer):
             )
         if params and self._transfers is None:
             self._setup_device(params[0].device)
+        on_device = [p for p in params if id(p) in self._keep_ids]
+        if any(isinstance(p, DTensor) for p in on_device):
+            raise ValueError(
+                "device_fraction is not supported with DTensor (FSDP2) parameters yet; "
+                "use device_fraction=0."
+            )
+        all_params, params = params, [p for p in params if id(p) not in self._keep_ids]
         # A DTensor (FSDP2) parameter costs this rank only its local shard.
         shards = [local_part(p) for p in params]
         if params and self.check_host_memory:
@@ -331,6 +377,8 @@ class CPUOffloadOptimizer(Optimizer):
             self._host_optimizer = self.optimizer_cls([host_group], **self._optimizer_kwargs)
         else:
             self._host_optimizer.add_param_group(host_group)
+        if self._device_share is not None:  # one group per outer group, even if empty
+            self._device_share.add_group({k: v for k, v in group.items() if k != "params"}, on_device)
         for slot in slots:
             self._slot_list.append(slot)
             self._slot_of[slot.param] = slot
@@ -339,8 +387,10 @@ class CPUOffloadOptimizer(Optimizer):
                     slot.param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
                 )
         self._meshes = distributed.meshes_of(s.param for s in self._slot_list)
-        self._counts["kept"] += len(params)
-        self._counts["kept_numel"] += sum(p.numel() for p in shards)
+        self._counts["kept"] += len(all_params)
+        self._counts["kept_numel"] += sum(p.numel() for p in shards) + sum(p.numel() for p in on_device)
+        self._counts["on_device"] += len(on_device)
+        self._counts["on_device_numel"] += sum(p.numel() for p in on_device)
 
     def _setup_device(self, device: torch.device) -> None:
         self._transfers = Transfers(device)
@@ -357,9 +407,13 @@ class CPUOffloadOptimizer(Optimizer):
                 "runs in host memory with synchronous copies.", device,
             )
 
+    def _params(self) -> Iterator[torch.Tensor]:
+        """Trainable parameters in order, group by group (the order of state-dict indices)."""
+        return (p for g in self.param_groups for p in g["params"])
+
     def _slots(self) -> Iterator[HostSlot]:
-        """Slots in parameter order, group by group (the order of state-dict indices)."""
-        return (self._slot_of[p] for g in self.param_groups for p in g["params"])
+        """Slots of the offloaded parameters, in parameter order."""
+        return (self._slot_of[p] for p in self._params() if p in self._slot_of)
 
     # ------------------------------------------------------------------ gradients
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
@@ -596,6 +650,8 @@ class CPUOffloadOptimizer(Optimizer):
         return {
             "groups": groups, "grad_scale": grad_scale, "submitted": set(),
             "check_each": check_each, "nonfinite": [],
+            # Partial offload: parameters updated on the device, and those spared there.
+            "device_updated": 0, "device_nonfinite": 0,
         }
 
     def _submit_update(self, slot: HostSlot) -> None:
@@ -648,12 +704,9 @@ class CPUOffloadOptimizer(Optimizer):
                     self._offload_grad(slot.param)  # set by hand; the hook submits it
                 elif slot.has_grad and slot.master not in plan["submitted"]:
                     self._submit_update(slot)
+            self._step_on_device(plan)  # its kernels run while the host finishes
             self._worker.drain()
-            if plan["nonfinite"]:
-                self._nonfinite_step(
-                    updated=len(plan["submitted"]) - len(plan["nonfinite"]),
-                    skipped=len(plan["nonfinite"]),
-                )
+            self._report_spared(plan)
         finally:
             self._overlap = None
             self._final_backward, self._deferred_scale = False, None
@@ -662,6 +715,25 @@ class CPUOffloadOptimizer(Optimizer):
                     slot.has_grad = False
             self._transfers.order_compute_after(self._last_push)
         return loss
+
+    def _step_on_device(self, plan: dict) -> None:
+        """Partial offload: update the parameters kept on the device (device_fraction)."""
+        share = self._device_share
+        grads = share.grads(self._params()) if share is not None else []
+        if not grads:
+            return
+        if plan["check_each"] and not all_finite(grads):  # no whole-step verdict to reuse
+            plan["device_nonfinite"] = len(grads)
+            return
+        share.step(self.param_groups, plan["grad_scale"])
+        plan["device_updated"] = len(grads)
+
+    def _report_spared(self, plan: dict) -> None:
+        """Warn (or raise) about parameters whose non-finite gradients their updates found."""
+        skipped = len(plan["nonfinite"]) + plan["device_nonfinite"]
+        if skipped:
+            updated = len(plan["submitted"]) - len(plan["nonfinite"]) + plan["device_updated"]
+            self._nonfinite_step(updated=updated, skipped=skipped)
 
     def _copy_device_grads_to_host(self) -> None:
         """offload_gradients=False: the recipe has finished with .grad (scaling, clipping)."""
@@ -684,6 +756,7 @@ class CPUOffloadOptimizer(Optimizer):
                 self._settled_host_grads()
                 plan = self._prepare_updates(grad_scale, check_each=True, wait_pushes=False)
                 self._submit_delayed(plan)
+                self._step_on_device(plan)
                 return
             grads = self._grads_in_place("step()")
             self._warn_if_unscaled()
@@ -694,6 +767,7 @@ class CPUOffloadOptimizer(Optimizer):
                 self._copy_device_grads_to_host()
             plan = self._prepare_updates(grad_scale=None, check_each=False, wait_pushes=False)
             self._submit_delayed(plan)
+            self._step_on_device(plan)
         finally:
             self._final_backward, self._deferred_scale = False, None
             if not self.offload_gradients:
@@ -772,24 +846,24 @@ class CPUOffloadOptimizer(Optimizer):
             for slot in self._slot_list:
                 slot.push_ready = slot.free_to_push = False
             self._transfers.order_compute_after(self._last_push)
-        if plan["nonfinite"]:  # judged in the jobs: reported one step late
-            self._nonfinite_step(
-                updated=len(plan["submitted"]) - len(plan["nonfinite"]),
-                skipped=len(plan["nonfinite"]),
-            )
+        self._report_spared(plan)  # judged in the jobs: reported one step late
 
     def _ready_grads(self) -> list[torch.Tensor]:
         """The gradients the next update would use (device .grad, or settled host copies)."""
         return [g for _, g in self._ready_pairs()]
 
     def _ready_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(param, gradient)`` for :meth:`_ready_grads`; a DTensor's gradient as its local shard."""
-        if self.offload_gradients:
-            return [(s.param, s.grad) for s in self._settled_host_grads()]
-        pairs = [(s.param, s.param.grad) for s in self._slots() if s.param.grad is not None]
-        for _, g in pairs:
-            _check_dense(g)
-        return [(p, local_part(g)) for p, g in pairs]
+        """``(param, gradient)`` for :meth:`_ready_grads`, in parameter order; a DTensor's
+        gradient as its local shard; parameters updated on the device with their ``.grad``."""
+        host = {s.param: s.grad for s in self._settled_host_grads()} if self.offload_gradients else {}
+        pairs = []
+        for p in self._params():
+            if p in host:
+                pairs.append((p, host[p]))
+            elif p.grad is not None and (not self.offload_gradients or p not in self._slot_of):
+                _check_dense(p.grad)
+                pairs.append((p, local_part(p.grad)))
+        return pairs
 
     def _grads_finite(self, grads: list[torch.Tensor]) -> bool:
         known = self._finite.finite(grads)  # from scale_grads/clip_grad_norm_, if current
@@ -851,7 +925,13 @@ class CPUOffloadOptimizer(Optimizer):
         # torch's packing hands out the host optimizer's live per-parameter dicts: copy
         # them before adding keys, so the live state never holds the master or DTensors.
         sd["state"] = {index: dict(entry) for index, entry in sd["state"].items()}
-        for index, slot in enumerate(self._slots()):
+        for index, param in enumerate(self._params()):
+            slot = self._slot_of.get(param)
+            if slot is None:  # updated on the device (device_fraction)
+                master = self._device_share.master(param)
+                if master is not None:
+                    sd["state"].setdefault(index, {})[MASTER_KEY] = master
+                continue
             # delayed_update saves every host weight: a model checkpoint written before
             # this call holds the weights from before the update it just completed.
             if slot.weight_stage is not None or self.delayed_update:
@@ -911,14 +991,13 @@ class CPUOffloadOptimizer(Optimizer):
                 raise ValueError(f"cannot load this torchao CPUOffloadOptimizer checkpoint: {err}") from None
             raise
 
-        slots = list(self._slots())
-        slot_of = dict(
-            zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]), slots)
+        param_of = dict(
+            zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]), self._params())
         )
         masters, state = {}, {}
         for index, entry in state_dict["state"].items():
             # DTensor state (FSDP2 checkpoints) or full tensors: this rank's shard.
-            param = slot_of[index].param
+            param = param_of[index]
             entry = {
                 k: distributed.to_local_value(v, param) if isinstance(v, torch.Tensor) else v
                 for k, v in entry.items()
@@ -926,14 +1005,23 @@ class CPUOffloadOptimizer(Optimizer):
             if MASTER_KEY in entry:
                 masters[index] = entry.pop(MASTER_KEY)
             # Copies, on the host: the source may live on a GPU, or be another optimizer's
-            # live state, which must not be stepped twice.
+            # live state, which must not be stepped twice. (The device share's optimizer
+            # moves its own to the device.)
             state[index] = {
                 k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
                 for k, v in entry.items()
             }
-        self._host_optimizer.load_state_dict(
-            {"state": state, "param_groups": state_dict["param_groups"]}
-        )
+        # Each inner optimizer loads its own parameters' entries, group by group.
+        on_host = {i for i, p in param_of.items() if p in self._slot_of}
+        inner = [(self._host_optimizer, lambda i: i in on_host)]
+        if self._device_share is not None:
+            inner.append((self._device_share.optimizer, lambda i: i not in on_host))
+        for optimizer, mine in inner:
+            optimizer.load_state_dict({
+                "state": {i: entry for i, entry in state.items() if mine(i)},
+                "param_groups": [dict(g, params=[i for i in g["params"] if mine(i)])
+                                 for g in state_dict["param_groups"]],
+            })
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             params = group["params"]
             group.clear()
@@ -941,8 +1029,11 @@ class CPUOffloadOptimizer(Optimizer):
             group["params"] = params
         # A master weight comes from the checkpoint when it has one; otherwise from the
         # device weights, which the caller has loaded from the model checkpoint.
-        for saved_id, slot in slot_of.items():
-            if saved_id in masters:
+        for saved_id, param in param_of.items():
+            slot = self._slot_of.get(param)
+            if slot is None:
+                self._device_share.load_master(param, masters.get(saved_id))
+            elif saved_id in masters:
                 slot.master.copy_(masters[saved_id])
                 # The device weight follows the saved master: equal to the model checkpoint's
                 # weight normally, newer when delayed_update completed an update on saving.
@@ -980,16 +1071,11 @@ class CPUOffloadOptimizer(Optimizer):
                     f"this optimizer has {len(group['params'])} trainable ones. Was it saved "
                     "for another model, or with different parameters frozen?"
                 )
-        index_of = {
-            saved_id: slot
-            for saved_id, slot in zip(
-                chain.from_iterable(g["params"] for g in saved_groups), self._slots()
-            )
-        }
+        index_of = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), self._params()))
         for index, entry in state_dict["state"].items():
             if index not in index_of:
                 raise ValueError(f"state dict has state for unknown parameter index {index}")
-            param = index_of[index].param
+            param = index_of[index]
             shape = param.shape  # global for a DTensor, as is a DTensor value's
             for key, value in entry.items():
                 if isinstance(value, DTensor) and isinstance(param, DTensor) and (
@@ -1004,7 +1090,7 @@ class CPUOffloadOptimizer(Optimizer):
                 # must match it; factored or scalar state (Adafactor, step) has fewer dims.
                 if isinstance(value, torch.Tensor) and value.dim() == len(shape) and value.dim() > 0:
                     if value.shape != shape:
-                        if isinstance(param, DTensor) and value.shape == index_of[index].master.shape:
+                        if isinstance(param, DTensor) and value.shape == local_part(param).shape:
                             raise ValueError(
                                 f"state dict entry {index}[{key!r}] is a plain tensor shaped like "
                                 f"this rank's shard {tuple(value.shape)}, not like the parameter "
@@ -1037,5 +1123,6 @@ class CPUOffloadOptimizer(Optimizer):
             f"master_weights={self.master_weights}, "
             f"delayed_update={self.delayed_update}"
             + (", accumulate_on_device=True" if self.accumulate_on_device else "")
+            + (f", device_fraction={self.device_fraction}" if self.device_fraction else "")
             + f") ({body}"
         )

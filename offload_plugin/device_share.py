@@ -1,0 +1,121 @@
+"""Partial offload: the parameters whose update stays on their own device.
+
+``CPUOffloadOptimizer(device_fraction=f)`` keeps the update of the first trainable
+parameters, up to a fraction ``f`` of all trainable elements, on the device, with an
+ordinary ``optimizer_cls`` instance there; the rest goes to the host as usual. In a
+torchtune model the first parameters are the embeddings and the first layers: their
+gradients arrive last in backward, so their host updates would be the tail that the
+next forward waits for, and the next forward needs their weights first. The fraction
+trades device memory (optimizer state, and fp32 masters with ``master_weights``) for
+host time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from offload_plugin.host_buffers import master_dtype_for
+
+__all__ = ["DeviceShare", "choose_kept"]
+
+
+def _tensors(params: Any) -> Iterator[torch.Tensor]:
+    """The tensors of ``params`` as an optimizer takes them (tensors, named tuples, groups)."""
+    for entry in params:
+        if isinstance(entry, dict):
+            inner = entry.get("params", [])
+            yield from _tensors([inner] if isinstance(inner, torch.Tensor) else inner)
+        elif isinstance(entry, tuple) and len(entry) == 2:
+            if isinstance(entry[1], torch.Tensor):
+                yield entry[1]
+        elif isinstance(entry, torch.Tensor):
+            yield entry
+
+
+def choose_kept(params: list, fraction: float) -> set[int]:
+    """ids of the leading trainable parameters holding at most ``fraction`` of all
+    trainable elements (whole tensors only, in the order given)."""
+    trainable = [t for t in _tensors(params) if t.requires_grad]
+    budget = fraction * sum(t.numel() for t in trainable)
+    kept, used = set(), 0
+    for t in trainable:
+        if used + t.numel() > budget:
+            break
+        kept.add(id(t))
+        used += t.numel()
+    return kept
+
+
+class DeviceShare:
+    """``optimizer_cls`` over the kept parameters, on their device.
+
+    With ``master_weights``, a bf16/fp16 parameter gets an fp32 master on the device and
+    the weight is its rounded copy, as on the host. Groups mirror the outer optimizer's
+    one for one (possibly empty), so hyperparameters and state-dict groups line up.
+    """
+
+    def __init__(self, optimizer_cls: type, optimizer_kwargs: dict, master_weights: bool) -> None:
+        self._cls, self._kwargs = optimizer_cls, optimizer_kwargs
+        self._master_weights = master_weights
+        self.optimizer: Optional[Optimizer] = None
+        self.target: dict[torch.Tensor, torch.Tensor] = {}  # param -> what the optimizer updates
+
+    def __contains__(self, param: torch.Tensor) -> bool:
+        return param in self.target
+
+    def add_group(self, hyperparameters: dict, params: list[torch.Tensor]) -> None:
+        for p in params:
+            dtype = master_dtype_for(p, self._master_weights)
+            self.target[p] = p if dtype == p.dtype else p.detach().to(dtype).requires_grad_()
+        group = dict(hyperparameters, params=[self.target[p] for p in params])
+        if self.optimizer is None:
+            self.optimizer = self._cls([group], **self._kwargs)
+        else:
+            self.optimizer.add_param_group(group)
+
+    def master(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The device master of ``param``, or None if the optimizer updates it directly."""
+        target = self.target[param]
+        return None if target is param else target
+
+    def grads(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        return [p.grad for p in params if p in self.target and p.grad is not None]
+
+    @torch.no_grad()
+    def step(self, outer_groups: list[dict], grad_scale: Optional[float] = None) -> None:
+        """Update the kept parameters that have a gradient; ``grad_scale`` multiplies each
+        gradient first (in the master's dtype, as the host update does)."""
+        for outer, inner in zip(outer_groups, self.optimizer.param_groups):
+            inner.update({k: v for k, v in outer.items() if k != "params"})
+        ready = [p for p in self.target if p.grad is not None]
+        for p in ready:
+            target = self.target[p]
+            if target is not p:
+                target.grad = p.grad.to(target.dtype)
+            # Scaled where the host update scales: after the upcast to the master's dtype.
+            if grad_scale is not None:
+                target.grad.mul_(grad_scale)
+        try:
+            self.optimizer.step()  # parameters without .grad are left alone
+        finally:
+            for p in ready:
+                target = self.target[p]
+                if target is not p:
+                    p.copy_(target)
+                    target.grad = None
+
+    def load_master(self, param: torch.Tensor, saved: Optional[torch.Tensor]) -> None:
+        """After loading: the master from a checkpoint (and the weight from it), else
+        from the weight the model checkpoint gave."""
+        target = self.target[param]
+        if target is param:
+            return
+        with torch.no_grad():
+            if saved is not None:
+                target.copy_(saved)
+                param.copy_(target)
+            else:
+                target.copy_(param)
