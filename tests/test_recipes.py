@@ -186,3 +186,22 @@ def test_delayed_update_converges_like_exact_mode(straight_runs, workdir, tmp_pa
     assert delayed[2] != exact[2]  # ...so the paths part from step 3 on
     head, tail = sum(delayed[:5]) / 5, sum(delayed[-5:]) / 5
     assert tail < 0.6 * head, delayed  # and it converges: exact's tail here is ~0.35x head
+
+
+def test_partial_offload_and_device_accumulation_train_exactly_like_full_offload(workdir, tmp_path):
+    """The opt-in speed settings that keep results: a share of the update on the device
+    (device_fraction) and gradients accumulated on the device until the last micro-batch
+    (accumulate_on_device). The demo trains to the very same losses as full offload."""
+    out = tmp_path / "partial"
+    proc = _tune_run(
+        f"offload_plugin/recipes/{RECIPE['full']}", "full", workdir, out, "epochs=2",
+        "optimizer.offload_gradients=True", "optimizer.device_fraction=0.3",
+        "optimizer.accumulate_on_device=True", "gradient_accumulation_steps=2",
+    )  # fmt: skip
+    exact_ga2 = tmp_path / "exact_ga2"
+    _tune_run(
+        f"offload_plugin/recipes/{RECIPE['full']}", "full", workdir, exact_ga2, "epochs=2",
+        "optimizer.offload_gradients=True", "gradient_accumulation_steps=2",
+    )  # fmt: skip
+    assert _losses(out) == _losses(exact_ga2)
+    assert "on the device" in proc.stdout + proc.stderr  # a share really was kept there
