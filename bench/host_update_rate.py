@@ -10,6 +10,8 @@ read and written, bf16 weight written).
 
 "one pass" is offload_plugin.native_adam's kernel (what the optimizer uses when it could
 build and verify it); "torch, 3 passes" is the fallback through torch's fused kernel.
+"accumulate add" times gradient accumulation into the host sum (bf16 += bf16): torch's
+add_ against native_adam.add_, in G elements/s and GB/s at 6 bytes per element.
 """
 
 import argparse
@@ -61,9 +63,9 @@ def main() -> None:
     n, cores = args.numel, torch.get_num_threads()
     rows = []
 
-    def report(name, seconds, bytes_per_param=BYTES_PER_PARAM):
+    def report(name, seconds, bytes_per_param=BYTES_PER_PARAM, unit="params"):
         rows.append((name, n / seconds / 1e9, n * bytes_per_param / seconds / 1e9))
-        print(f"{name:58s} {rows[-1][1]:6.2f} G params/s  {rows[-1][2]:6.1f} GB/s", flush=True)
+        print(f"{name:58s} {rows[-1][1]:6.2f} G {unit}/s  {rows[-1][2]:6.1f} GB/s", flush=True)
 
     # Reference: torch's fused AdamW, fp32 everything (28 bytes per parameter too).
     w = torch.zeros(n)
@@ -82,7 +84,8 @@ def main() -> None:
     threads = max(1, cores - 1)
     for native in (True, False):
         host_update.USE_NATIVE = native
-        how = "one pass" if native and native_adam.kernel() is not None else "torch, 3 passes"
+        kernel = native_adam.kernel()
+        how = "one pass" if native and kernel is not None and torch.float32 in kernel.dtypes else "torch, 3 passes"
         report(f"offload update bf16->fp32 master->bf16 ({how}), {threads} thr",
                _in_thread(lambda: _timed(lambda: host_update.update_slots(opt, groups, [slot]),
                                          args.repeats), threads))
@@ -111,6 +114,17 @@ def main() -> None:
                                          args.repeats), threads), bytes_per_param=14)
     host_update.USE_NATIVE = True
     del wb, slot, opt
+    # Gradient accumulation: bf16 dst += src (6 bytes per element: 2 read + 2 read + 2 written).
+    acc, inc = torch.randn(n).to(torch.bfloat16), torch.randn(n).to(torch.bfloat16)
+    kernel = native_adam.kernel()
+    adds = [("torch", lambda: acc.add_(inc))]
+    if kernel is not None and kernel.can_add:
+        adds.append(("one pass", lambda: native_adam.add_(acc, inc)))
+    for how, fn in adds:
+        report(f"accumulate add bf16 ({how}), {threads} thr",
+               _in_thread(lambda: _timed(fn, args.repeats), threads), bytes_per_param=6,
+               unit="elements")
+    del acc, inc
     bw = memory_bandwidth(min(n, 1 << 28), threads, args.repeats)
     print(f"memory bandwidth (fp32 copy, {threads} threads): {bw:.1f} GB/s", flush=True)
 

@@ -13,6 +13,10 @@ It is used only after it has reproduced ``torch._fused_adamw_`` / ``torch._fused
 bit for bit on this machine (several settings, several steps); otherwise, or without a
 compiler, the update stays on torch's kernels with the same results, only slower. Set
 ``OFFLOAD_PLUGIN_NATIVE=0`` to never build or use it.
+
+The same library adds one bf16 tensor into another in one pass (:func:`add_`, gradient
+accumulation on the host), checked against ``torch.Tensor.add_`` the same way: torch's bf16
+``add_`` moves well under half the memory bandwidth the host reaches in other kernels.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["kernel", "NativeAdam", "ALIGN", "ALIGN_BF16"]
+__all__ = ["kernel", "add_", "NativeAdam", "ALIGN", "ALIGN_BF16"]
 
 log = logging.getLogger(__name__)
 
@@ -122,19 +126,24 @@ def _load(path: Path):
     bf16 = lib.adam_bf16_step
     bf16.argtypes = [p, p, p, p, i64, d, d, d, d, d, d, i, i, i, f, i]
     bf16.restype = i
-    return fp32, bf16
+    add = lib.add_bf16_inplace
+    add.argtypes = [p, p, i64, i]
+    add.restype = i
+    return fp32, bf16, add
 
 
 class NativeAdam:
     """The loaded kernel. Call :meth:`step` on flat, contiguous host tensors.
 
     ``dtypes`` holds the weight dtypes it was verified for on this machine (fp32 masters,
-    bf16 weights without masters); only those may be stepped.
+    bf16 weights without masters); only those may be stepped. ``can_add`` says whether
+    :meth:`add_` was verified (it is checked separately and does not affect ``dtypes``).
     """
 
     def __init__(self, fns) -> None:
-        self._fp32, self._bf16 = fns
+        self._fp32, self._bf16, self._add = fns
         self.dtypes: set = {torch.float32, torch.bfloat16}
+        self.can_add = True
 
     @staticmethod
     def align(dtype: torch.dtype) -> int:
@@ -179,6 +188,40 @@ class NativeAdam:
         else:
             out = weight_out.data_ptr() if weight_out is not None else None
             self._fp32(*ptrs, out, n, *scalars)
+
+    def add_(self, dst: torch.Tensor, src: torch.Tensor, num_threads: int) -> None:
+        """``dst += src`` for contiguous, non-overlapping bf16 CPU tensors of one numel
+        (any numel), with the values of ``dst.add_(src)``; a NaN is stored as 0xffff."""
+        if not _addable(dst, src):
+            raise ValueError("NativeAdam.add_ needs contiguous, non-overlapping bf16 CPU "
+                             "tensors of one numel")
+        if not self.can_add:
+            raise RuntimeError("NativeAdam.add_ did not match torch on this machine")
+        if dst.numel():
+            self._add(dst.data_ptr(), src.data_ptr(), dst.numel(), int(num_threads))
+
+
+def _addable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    if not all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+               for t in (dst, src)) or dst.numel() != src.numel():
+        return False
+    # The kernel reads src while writing dst (restrict pointers): no shared bytes at all.
+    nbytes = dst.numel() * 2
+    return dst.data_ptr() + nbytes <= src.data_ptr() or src.data_ptr() + nbytes <= dst.data_ptr()
+
+
+def add_(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.add_(src)``: in one native pass (with ``torch.get_num_threads()`` threads)
+    for contiguous bf16 CPU tensors of one shape when the kernel was verified here,
+    else through torch. Same values either way (a NaN's bit pattern may differ, as it
+    does between torch's own vector and scalar code)."""
+    native = _state["kernel"] if "kernel" in _state else kernel()
+    if (native is not None and native.can_add and dst.shape == src.shape
+            and not (dst.requires_grad or src.requires_grad) and _addable(dst, src)):
+        if dst.numel():  # checked above: skip NativeAdam.add_'s second check (a few µs)
+            native._add(dst.data_ptr(), src.data_ptr(), dst.numel(), torch.get_num_threads())
+    else:
+        dst.add_(src)
 
 
 _SETTINGS = [
@@ -228,17 +271,55 @@ def _matches_torch(native: NativeAdam, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-identical, except that any NaN equals any NaN: torch's bf16 add_ itself writes
+    0xffff from its x86 vector code and 0x7fc0 from its scalar tails, which fall at places
+    set by its thread count."""
+    nan_a, nan_b = a.isnan(), b.isnan()
+    return torch.equal(nan_a, nan_b) and torch.equal(_bits(a)[~nan_a], _bits(b)[~nan_b])
+
+
+def _add_matches_torch(native: NativeAdam) -> Optional[str]:
+    """native.add_ against torch's add_ on bf16: None if the same values, else what differed.
+    Operands: every bit pattern (so every exponent, subnormals, infs, NaNs), values of
+    close magnitude (rounding, cancellation), every pair of some special values; an odd
+    size that several threads split."""
+    gen = torch.Generator().manual_seed(0)
+    n = 3 * 32768 + 77
+    # inf - inf, overflow to inf, subnormal sums, signed zeros, ties to even at 1.0.
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), -float("nan"), 0.0, -0.0,
+                            3e38, -3e38, 1e-40, -1e-40, 1.0, 1.0078125, 2.0 ** -8],
+                           dtype=torch.bfloat16)
+    pairs = len(special) ** 2
+    for k, what in enumerate(["bit patterns", "close magnitudes"]):
+        if k == 0:
+            dst, src = (torch.randint(-(1 << 15), 1 << 15, (n,), generator=gen, dtype=torch.int16)
+                        .view(torch.bfloat16) for _ in range(2))
+        else:  # from 1e-38 to 3e38
+            scale = torch.logspace(-38, 38.5, n)
+            dst, src = ((torch.randn(n, generator=gen) * scale).to(torch.bfloat16) for _ in range(2))
+        dst[:pairs] = special.repeat_interleave(len(special))
+        src[:pairs] = special.repeat(len(special))
+        ref = dst.clone().add_(src)
+        native.add_(dst, src, torch.get_num_threads())
+        if not _same_values(dst, ref):
+            return f"add_ differs from torch's on {what}"
+    return None
+
+
 def kernel() -> Optional[NativeAdam]:
     """The verified native kernel, or None (no compiler, build failure, mismatch, or disabled).
 
-    Its ``dtypes`` lists the weight dtypes that matched torch bit for bit here.
+    Its ``dtypes`` lists the weight dtypes that matched torch bit for bit here, ``can_add``
+    whether its add did; None when neither the update nor the add can be used.
     """
     with _lock:
         if "kernel" in _state:
             return _state["kernel"]
-        result, reasons = None, []
+        result, reasons, add_reason = None, [], None
         if os.environ.get("OFFLOAD_PLUGIN_NATIVE", "1") == "0":
             reasons.append("OFFLOAD_PLUGIN_NATIVE=0")
+            add_reason = reasons[0]
         else:
             try:
                 candidate = NativeAdam(_load(_build()))
@@ -247,13 +328,20 @@ def kernel() -> Optional[NativeAdam]:
                     if why is not None:
                         candidate.dtypes.discard(dtype)
                         reasons.append(f"{dtype}: {why}")
-                result = candidate if candidate.dtypes else None
+                add_reason = _add_matches_torch(candidate)
+                candidate.can_add = add_reason is None
+                result = candidate if candidate.dtypes or candidate.can_add else None
             except (RuntimeError, OSError) as err:
                 reasons.append(str(err))
+                add_reason = str(err)
         reason = "; ".join(reasons) or None
         if reason:
             log.info("offload_plugin: one-pass host update unavailable (%s); using torch's "
                      "fused kernel in several passes there (same results, slower).", reason)
+        if add_reason:
+            log.info("offload_plugin: one-pass bf16 gradient add unavailable (%s); using "
+                     "torch's add_ (same results, slower).", add_reason)
         _state["kernel"] = result
         _state["reason"] = reason
+        _state["add_reason"] = add_reason
         return result

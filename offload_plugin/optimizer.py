@@ -20,7 +20,7 @@ from offload_plugin.checkpoint_compat import (
     is_torchao_state_dict,
 )
 from offload_plugin.grad_checks import NONFINITE_POLICIES, FiniteRecord, all_finite
-from offload_plugin import distributed, host_memory
+from offload_plugin import distributed, host_memory, native_adam
 from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.host_buffers import HostArena, HostSlot, allocate_landing, build_slots
@@ -474,7 +474,7 @@ class CPUOffloadOptimizer(Optimizer):
             slot.grad_event = None
             if slot.incoming_pending:
                 Transfers.wait(slot.incoming_event)
-                slot.grad.add_(slot.incoming)
+                native_adam.add_(slot.grad, slot.incoming)  # torch's add_, one faster pass
                 slot.incoming_pending, slot.incoming_event = False, None
 
     def _settled_host_grads(self) -> list[HostSlot]:

@@ -158,3 +158,131 @@ def test_builds_when_home_is_not_writable(fresh_kernel_state, monkeypatch, tmp_p
     monkeypatch.setattr(native_adam.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert native_adam.kernel() is not None, native_adam._state.get("reason")
     assert list((tmp_path / "tmp").glob("offload_plugin-*/adam_master_bf16_*.so"))
+
+
+# --- bf16 gradient accumulation: native_adam.add_ -------------------------------------------
+
+_SPECIAL = [float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 3e38, -3e38, 1e-40, -1e-40, 1.0]
+
+
+def _add_operands(numel, seed=0):
+    """bf16 dst, src: random bit patterns (every exponent, subnormals, infs, NaNs) in the
+    first half, values of wide-ranging but close magnitudes in the second, specials around."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(2):
+        bits = torch.randint(-(1 << 15), 1 << 15, (numel,), generator=gen, dtype=torch.int16)
+        t = bits.view(torch.bfloat16).clone()
+        half = numel // 2
+        if numel - half:
+            scale = torch.logspace(-38, 38, numel - half)
+            t[half:] = (torch.randn(numel - half, generator=gen) * scale).to(torch.bfloat16)
+        picks = torch.randint(0, len(_SPECIAL), (min(numel, 64),), generator=gen)
+        t[torch.randperm(numel, generator=gen)[:len(picks)]] = torch.tensor(_SPECIAL)[picks].to(torch.bfloat16)
+        out.append(t)
+    return out
+
+
+def _assert_same_as_torch(got, ref):
+    """Every bit equal, except that NaN only has to be NaN: torch writes 0xffff from its
+    vector code and 0x7fc0 from its scalar tails (placed by its thread count)."""
+    nan = ref.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got[~nan].view(torch.int16), ref[~nan].view(torch.int16))
+
+
+@needs_compiler
+@pytest.mark.parametrize("numel", [1, 15, 16, 17, 4099, 3 * (1 << 21) + 5])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_add_is_bitwise_torch(numel, threads):
+    kernel = native_adam.kernel()
+    assert kernel is not None and kernel.can_add, native_adam._state.get("add_reason")
+    dst, src = _add_operands(numel)
+    ref = dst.clone().add_(src)
+    src_before = src.clone()
+    kernel.add_(dst, src, threads)
+    _assert_same_as_torch(dst, ref)
+    assert torch.equal(src.view(torch.int16), src_before.view(torch.int16))
+    assert (dst.view(torch.int16)[dst.isnan()] == -1).all()  # 0xffff, as float_to_bf16 writes
+
+
+@needs_compiler
+def test_module_add_uses_the_kernel_for_bf16(monkeypatch):
+    assert native_adam.kernel().can_add, native_adam._state.get("add_reason")
+    kernel, calls = native_adam.kernel(), []
+    original = kernel._add
+    monkeypatch.setattr(kernel, "_add", lambda d, s, n, t: (calls.append(t), original(d, s, n, t))[1])
+    dst, src = _add_operands(4099, seed=1)
+    ref = dst.clone().add_(src)
+    native_adam.add_(dst.view(-1, 1), src.view(-1, 1))  # any shape, contiguous
+    _assert_same_as_torch(dst, ref)
+    assert calls == [torch.get_num_threads()]
+
+
+@pytest.mark.parametrize("case", ["fp32", "fp16", "strided", "mixed dtypes", "same tensor"])
+def test_module_add_falls_back_to_torch_for_other_tensors(case):
+    gen = torch.Generator().manual_seed(2)
+    a, b = torch.randn(2, 1000, generator=gen), torch.randn(2, 1000, generator=gen)
+    if case == "fp16":
+        a, b = a.half(), b.half()
+    elif case == "strided":
+        a, b = a.to(torch.bfloat16).t(), b.to(torch.bfloat16).t()
+    elif case == "mixed dtypes":
+        a = a.to(torch.bfloat16)
+    elif case == "same tensor":
+        a = b = a.to(torch.bfloat16)
+    ref = a.clone().add_(b.clone() if case != "same tensor" else a.clone())
+    native_adam.add_(a, b)
+    assert torch.equal(a, ref)
+
+
+def test_module_add_without_the_kernel_is_torch(fresh_kernel_state, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_PLUGIN_NATIVE", "0")
+    dst, src = _add_operands(4099)
+    ref = dst.clone().add_(src)
+    native_adam.add_(dst, src)
+    assert torch.equal(dst.view(torch.int16), ref.view(torch.int16))  # torch itself: NaN bits too
+    assert native_adam._state["kernel"] is None
+
+
+@needs_compiler
+def test_add_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch, caplog):
+    """A mismatching add leaves the Adam update in use, and add_ on torch's kernel."""
+    monkeypatch.setattr(native_adam, "_add_matches_torch", lambda k: "forced add mismatch")
+    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+        kernel = native_adam.kernel()
+    assert kernel.dtypes == {torch.float32, torch.bfloat16} and not kernel.can_add
+    assert "forced add mismatch" in caplog.text and "torch's add_" in caplog.text
+    dst, src = _add_operands(4099)
+    ref = dst.clone().add_(src)
+    native_adam.add_(dst, src)
+    assert torch.equal(dst.view(torch.int16), ref.view(torch.int16))
+    with pytest.raises(RuntimeError):
+        kernel.add_(dst, src, 1)
+
+
+@needs_compiler
+def test_add_alone_can_be_verified(fresh_kernel_state, monkeypatch):
+    """The kernel is still returned for add_ when no Adam dtype matched."""
+    monkeypatch.setattr(native_adam, "_matches_torch", lambda k, dtype: "forced mismatch")
+    kernel = native_adam.kernel()
+    assert kernel is not None and kernel.dtypes == set() and kernel.can_add
+
+
+@needs_compiler
+def test_add_refuses_tensors_it_cannot_add():
+    kernel = native_adam.kernel()
+    b = torch.zeros(100, dtype=torch.bfloat16)
+    bad = [
+        (torch.zeros(100), torch.zeros(100)),                          # fp32
+        (b.clone(), torch.zeros(100)),                                 # mixed dtypes
+        (b.clone(), torch.zeros(99, dtype=torch.bfloat16)),            # numel
+        (torch.zeros(200, dtype=torch.bfloat16)[::2], b.clone()),      # not contiguous
+        (b, b),                                                        # the same memory
+        (b[1:], b[:-1]),                                               # overlapping
+        (b.half(), b.half()),                                          # fp16
+    ]
+    for dst, src in bad:
+        with pytest.raises(ValueError, match="non-overlapping bf16"):
+            kernel.add_(dst, src, 1)
+    kernel.add_(torch.zeros(0, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.bfloat16), 1)

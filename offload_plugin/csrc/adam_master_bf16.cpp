@@ -3,6 +3,7 @@
 // torch._fused_adamw_, downcast the master), done while each element is in registers.
 // A second entry point updates bf16 weights and moments in place (no master weights),
 // with the gradient scaled in bf16 first, as `g * scale` on a bf16 tensor rounds it.
+// A third adds one bf16 tensor into another (gradient accumulation), as torch's add_ does.
 //
 // Bit-exactness with torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp,
 // vectorized body) comes from doing the same IEEE fp32 operations in the same order:
@@ -135,23 +136,45 @@ Coefficients coefficients(double lr, double beta1, double beta2, double weight_d
   return c;
 }
 
+// Calls fn(begin, end) on up to num_threads OpenMP threads, splitting [0, n) at multiples
+// of `unit` elements (whole cache lines: no two threads write one line) and giving each
+// thread at least `min_units` units (a smaller share is not worth waking a thread for).
+template <typename F>
+void parallel_ranges(int64_t n, int64_t unit, int64_t min_units, int num_threads, const F& fn) {
+  const int64_t units = (n + unit - 1) / unit;
+  int64_t threads = num_threads > 0 ? num_threads : 1;
+  if (units < threads * min_units) threads = units / min_units > 0 ? units / min_units : 1;
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
+    const int64_t b = u0 * unit, e = u1 * unit < n ? u1 * unit : n;
+    if (b < e) fn(b, e);
+  }
+}
+
 template <typename S>
 void run(S* master, const uint16_t* grad, S* exp_avg, S* exp_avg_sq, uint16_t* weight_out,
          int64_t n, const Coefficients& c, int num_threads) {
   RangeFn<S> fn = c.lerp_from_avg ? pick2<S, true>(c.adamw, c.has_decay, c.has_scale, c.maximize)
                                   : pick2<S, false>(c.adamw, c.has_decay, c.has_scale, c.maximize);
-  // Split into pieces of whole cache lines (16 floats), like torch's kernel.
-  constexpr int64_t kUnit = 16;
-  const int64_t units = (n + kUnit - 1) / kUnit;
-  int threads = num_threads > 0 ? num_threads : 1;
-  if (units < threads * 64) threads = static_cast<int>(units / 64) > 0 ? static_cast<int>(units / 64) : 1;
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-    const int64_t b = u0 * kUnit, e = u1 * kUnit < n ? u1 * kUnit : n;
-    if (b < e) fn(master, grad, exp_avg, exp_avg_sq, weight_out, b, e, c);
-  }
+  // Pieces of whole cache lines (16 floats), like torch's kernel.
+  parallel_ranges(n, 16, 64, num_threads, [&](int64_t b, int64_t e) {
+    fn(master, grad, exp_avg, exp_avg_sq, weight_out, b, e, c);
+  });
+}
+
+// dst += src in bf16: both widened to fp32 (exact), one fp32 addition, rounded to nearest
+// even, which is what torch's bf16 add_ computes (its vector path as fmadd(src, 1, dst)
+// in fp32, its scalar path as dst + 1 * src, both one rounding of the same exact sum).
+// A NaN comes out as 0xffff, as in torch's x86 vector path; torch's scalar tails give
+// 0x7fc0 instead, at places that depend on its thread count, so NaN bits are not
+// something torch itself keeps fixed (the self-check compares NaNs as NaN).
+void add_range(uint16_t* __restrict dst, const uint16_t* __restrict src, int64_t begin,
+               int64_t end) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i)
+    dst[i] = float_to_bf16(bf16_to_float(dst[i]) + bf16_to_float(src[i]));
 }
 
 }  // namespace
@@ -181,6 +204,15 @@ int adam_bf16_step(uint16_t* weight, const uint16_t* grad, uint16_t* exp_avg,
                 coefficients(lr, beta1, beta2, weight_decay, eps, step, adamw, maximize,
                              has_scale, grad_scale),
                 num_threads);
+  return 0;
+}
+
+// dst[i] += src[i] for i in [0, n), bf16 (see add_range). dst and src must not overlap.
+// Returns 0.
+int add_bf16_inplace(uint16_t* dst, const uint16_t* src, int64_t n, int num_threads) {
+  // 32 bf16 elements are one 64-byte cache line; 512 lines (16K elements) per thread at least.
+  parallel_ranges(n, 32, 512, num_threads,
+                  [&](int64_t b, int64_t e) { add_range(dst, src, b, e); });
   return 0;
 }
 
