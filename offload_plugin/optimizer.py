@@ -322,7 +322,7 @@ class CPUOffloadOptimizer(Optimizer):
         for t, k in zip(tensors, keep):
             if isinstance(t, torch.Tensor) and not k:
                 self._counts["frozen"] += 1
-                self._counts["frozen_numel"] += t.numel()
+                self._counts["frozen_numel"] += local_part(t).numel()  # this rank's, as kept
         kept_entries = [e for e, k in zip(entries, keep) if k]
         kept = [t for t, k in zip(tensors, keep) if k]
         # Non-tensors are kept so that torch reports them with its own message.

@@ -41,6 +41,7 @@ from torchtune.modules.peft import (
     validate_missing_and_unexpected_for_lora,
 )
 from torchtune.recipe_interfaces import FTRecipeInterface
+from torchao.dtypes.nf4tensor import NF4Tensor
 from tqdm import tqdm  # a torchtune dependency; torchtune's recipes show the same bar
 
 from offload_plugin import recipe_utils
@@ -192,6 +193,23 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
         if fresh_adapters:
             # Before checkpoint wrappers rename the modules: keys as in the state dict.
             adapter_state_dict = self._initial_adapter_state_dict(model)
+        quantized = any(isinstance(p, NF4Tensor) for p in model.parameters())
+        if quantized and self.world_size == 1:
+            # FSDP2 over a single rank fails on NF4 weights (torch 2.13, torchao 0.15).
+            raise ValueError(
+                "QLoRA (NF4 base weights) with this recipe needs 2 or more ranks "
+                "(tune run --nproc_per_node N ...); on one GPU use "
+                "offload_plugin/recipes/lora_finetune_single_device.py with a QLoRA config."
+            )
+        if quantized:
+            # QLoRA: torchtune's loader of full weights into meta-device NF4 shards breaks
+            # FSDP2's NF4 all-gather with this torch (see README). Instead each rank builds
+            # the model whole on its device (NF4 keeps that small: ~6 GB for 8B), loads the
+            # weights, and fully_shard splits the real tensors, which FSDP2 handles for NF4.
+            with training.set_default_dtype(self._dtype), self._device:
+                model = config.instantiate(cfg_model)
+            lora_missing, lora_unexpected = model.load_state_dict(adapter_state_dict, strict=False)
+            base_missing, base_unexpected = model.load_state_dict(base_state_dict, strict=False)
         set_trainable_params(model, get_adapter_params(model))
         if self._compile:
             training.compile_model(model, verbose=self._is_rank_zero)
@@ -205,19 +223,20 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             cpu_offload=self._fsdp_cpu_offload,
             reshard_after_forward=reshard_after_forward,
         )
-        with training.set_default_dtype(self._dtype), self._device:
-            for m in model.modules():
-                if isinstance(m, (LoRALinear, DoRALinear)):
-                    # Memory for the adapter shards (and DoRA magnitudes); values come below.
-                    m.to_empty(device="cpu" if self._fsdp_cpu_offload else self._device)
-                if hasattr(m, "rope_init"):  # RoPE caches are buffers outside the state dict
-                    m.rope_init()
-        lora_missing, lora_unexpected = training.load_from_full_model_state_dict(
-            model, adapter_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
-        )
-        base_missing, base_unexpected = training.load_from_full_model_state_dict(
-            model, base_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
-        )
+        if not quantized:
+            with training.set_default_dtype(self._dtype), self._device:
+                for m in model.modules():
+                    if isinstance(m, (LoRALinear, DoRALinear)):
+                        # Memory for the adapter shards (and DoRA magnitudes); values come below.
+                        m.to_empty(device="cpu" if self._fsdp_cpu_offload else self._device)
+                    if hasattr(m, "rope_init"):  # RoPE caches are buffers outside the state dict
+                        m.rope_init()
+            lora_missing, lora_unexpected = training.load_from_full_model_state_dict(
+                model, adapter_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
+            )
+            base_missing, base_unexpected = training.load_from_full_model_state_dict(
+                model, base_state_dict, self._device, cpu_offload=self._fsdp_cpu_offload
+            )
         if fresh_adapters:
             # DoRA magnitudes start as the norms of the base weights (plus the zero adapter
             # update), so only now; a resumed run has its trained ones from the checkpoint.

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG_DIR = REPO / "configs"
 CONFIGS = sorted(CONFIG_DIR.glob("**/*.yaml"))
 ALLOWED_ROOTS = ("torchtune.", "offload_plugin.", "torch.")
-LAUNCH = re.compile(r"^#\s+tune run (\S+\.py) --config (\S+\.yaml)", re.M)
+LAUNCH = re.compile(r"^#\s+tune run (?:--nproc_per_node \d+ )?(\S+\.py) --config (\S+\.yaml)", re.M)
 
 
 def _components(node, where="cfg"):

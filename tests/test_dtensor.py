@@ -307,3 +307,49 @@ def test_dcp_save_load_resumes_exactly(tmp_path, device):
     sharded model and optimizer restored by dcp.load + set_optimizer_state_dict continue for
     2 steps bit for bit like the uninterrupted run."""
     _spawn(_check_dcp_resume, tmp_path, device, str(tmp_path / "ckpt"))
+
+
+def _check_qlora(rank, clip):
+    """NF4 base weights sharded by FSDP2 (torchao's NF4Tensor all-gathers its shards) with
+    trainable LoRA adapters: the optimizer drops the frozen NF4 shards and trains the
+    adapters like single-process AdamW over the whole batch."""
+    from torchtune.modules.peft import LoRALinear, get_adapter_params, set_trainable_params
+
+    torch.manual_seed(0)
+    # 256 wide: an NF4 weight shards in whole 16384-element scaler blocks per rank.
+    model = torch.nn.Sequential(
+        LoRALinear(256, 256, rank=4, alpha=8, quantize_base=True), torch.nn.Tanh(),
+        LoRALinear(256, 256, rank=4, alpha=8, quantize_base=True))
+    for layer in (model[0], model[2]):
+        torch.nn.init.normal_(layer.lora_b.weight, std=0.02)  # adapters that do something
+    set_trainable_params(model, get_adapter_params(model))
+    ref = copy.deepcopy(model)
+    sharded = copy.deepcopy(model).to(DEVICE)
+    for layer in (sharded[0], sharded[2]):
+        fully_shard(layer)
+    fully_shard(sharded)
+    opt = CPUOffloadOptimizer(sharded.parameters(), lr=LR, weight_decay=WD, offload_gradients=True)
+    assert len(opt._slot_list) == 4  # the adapters; the NF4 weights were dropped
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(8, 256, generator=g), torch.randn(8, 256, generator=g)
+        half = slice(4 * rank, 4 * rank + 4)
+        if clip is None:
+            opt.overlap_next_step(grad_scale=1.0)
+        ((sharded(x[half].to(DEVICE)) - y[half].to(DEVICE)) ** 2).mean().backward()
+        ((ref(x) - y) ** 2).mean().backward()
+        if clip is not None:
+            torch.testing.assert_close(
+                opt.clip_grad_norm_(clip), torch.nn.utils.clip_grad_norm_(
+                    [p for p in ref.parameters() if p.requires_grad], clip), rtol=1e-5, atol=1e-7)
+        opt.step(), ref_opt.step()
+        opt.zero_grad(), ref_opt.zero_grad()
+    for (name, p), q in zip(sharded.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.full_tensor().cpu(), q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["overlap", "clip"])
+def test_qlora_nf4_base_sharded_trains_adapters_like_one_process(tmp_path, clip):
+    _spawn(_check_qlora, tmp_path, "cpu", clip)
