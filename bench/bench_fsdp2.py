@@ -46,7 +46,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import GIB, LR, MARKER, REPO, TINY, _fmt, _git_commit, _version  # noqa: E402
+import bench_train  # noqa: E402
+from bench_train import GIB, LR, MARKER, REPO, TINY, _git_commit, _version, column  # noqa: E402
 
 CHILD_ARGS = "BENCH_FSDP2_CHILD_ARGS"
 PARTIAL = "BENCH_STEPS "
@@ -304,27 +305,22 @@ def run_child(name, args, timeout):
     return {"optimizer": name, "error": f"child exited with {rc}: {' / '.join(tail)[-300:]}"}
 
 
+COLUMNS = [
+    column("step s", "step_s"),
+    ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+    column("peak GPU GiB (max rank)", "peak_gpu_gib", 1),
+    column("reserved GiB", "reserved_gpu_gib", 1),
+    column("host RSS GiB (all ranks)", "host_rss_gib", 1),
+    column("host RSS GiB (max rank)", "host_rss_gib_max_rank", 1),
+    column("opt host GiB (all ranks)", "opt_host_gib", 1),
+    column("setup s", "setup_s", 1),
+    column("host busy s/step", "host_busy_s"),
+]
+
+
 def markdown_table(results):
     """One row per optimizer; ratios are against fsdp_gpu_adamw when it ran."""
-    base = next((r for r in results if r["optimizer"] == BASE and "step_s" in r), {})
-    rows = ["| optimizer | step s | tokens/s | peak GPU GiB (max rank) | reserved GiB "
-            "| host RSS GiB (all ranks) | host RSS GiB (max rank) | opt host GiB (all ranks) "
-            f"| setup s | host busy s/step | step / {BASE} | peak / {BASE} |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        if "step_s" not in r:
-            why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r.get('error')}"
-            rows.append(f"| {r['optimizer']} | {why} |" + " |" * 10)
-            continue
-        ratio = lambda k: (f"{r[k] / base[k]:.2f}x"  # noqa: E731
-                           if base.get(k) and r.get(k) is not None else "-")
-        rows.append(
-            f"| {r['optimizer']} | {_fmt(r['step_s'])} | {r['tokens_per_s']:,.0f} "
-            f"| {_fmt(r.get('peak_gpu_gib'), 1)} | {_fmt(r.get('reserved_gpu_gib'), 1)} "
-            f"| {_fmt(r.get('host_rss_gib'), 1)} | {_fmt(r.get('host_rss_gib_max_rank'), 1)} "
-            f"| {_fmt(r.get('opt_host_gib'), 1)} | {_fmt(r.get('setup_s'), 1)} "
-            f"| {_fmt(r.get('host_busy_s'))} | {ratio('step_s')} | {ratio('peak_gpu_gib')} |")
-    return "\n".join(rows)
+    return bench_train.markdown_table(results, COLUMNS, BASE)
 
 
 def describe(run):

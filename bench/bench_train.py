@@ -364,26 +364,38 @@ def _fmt(x, nd=3):
     return "-" if x is None else f"{x:.{nd}f}"
 
 
-def markdown_table(results):
-    """One row per optimizer; ratios are against gpu_adamw when it ran."""
-    base = next((r for r in results if r["optimizer"] == "gpu_adamw" and "step_s" in r), {})
-    rows = ["| optimizer | step s | tokens/s | peak GPU GiB | reserved GiB | host RSS GiB "
-            "| opt host GiB | setup s | host update s | host busy s/step | step / gpu_adamw "
-            "| peak / gpu_adamw |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def column(header, key, nd=3):
+    """A results-table column: its header and how a result fills it."""
+    return header, lambda r: _fmt(r.get(key), nd)
+
+
+COLUMNS = [
+    column("step s", "step_s"),
+    ("tokens/s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+    column("peak GPU GiB", "peak_gpu_gib", 1),
+    column("reserved GiB", "reserved_gpu_gib", 1),
+    column("host RSS GiB", "host_rss_gib", 1),
+    column("opt host GiB", "opt_host_gib", 1),
+    column("setup s", "setup_s", 1),
+    column("host update s", "host_update_s"),
+    column("host busy s/step", "host_busy_s"),
+]
+
+
+def markdown_table(results, columns=COLUMNS, base_name="gpu_adamw"):
+    """One row per optimizer; ratios are against ``base_name`` when it ran."""
+    base = next((r for r in results if r["optimizer"] == base_name and "step_s" in r), {})
+    heads = ["optimizer", *(h for h, _ in columns), f"step / {base_name}", f"peak / {base_name}"]
+    rows = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in results:
         if "step_s" not in r:
             why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r.get('error')}"
-            rows.append(f"| {r['optimizer']} | {why} |" + " |" * 10)
+            rows.append(f"| {r['optimizer']} | {why} |" + " |" * (len(heads) - 2))
             continue
         ratio = lambda k: (f"{r[k] / base[k]:.2f}x"  # noqa: E731
                            if base.get(k) and r.get(k) is not None else "-")
-        rows.append(
-            f"| {r['optimizer']} | {_fmt(r['step_s'])} | {r['tokens_per_s']:,.0f} "
-            f"| {_fmt(r.get('peak_gpu_gib'), 1)} | {_fmt(r.get('reserved_gpu_gib'), 1)} "
-            f"| {_fmt(r.get('host_rss_gib'), 1)} | {_fmt(r.get('opt_host_gib'), 1)} "
-            f"| {_fmt(r.get('setup_s'), 1)} | {_fmt(r.get('host_update_s'))} "
-            f"| {_fmt(r.get('host_busy_s'))} | {ratio('step_s')} | {ratio('peak_gpu_gib')} |")
+        cells = [r["optimizer"], *(fill(r) for _, fill in columns), ratio("step_s"), ratio("peak_gpu_gib")]
+        rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

@@ -26,14 +26,11 @@ class StaleByOne:
     def step(self):
         current = [p.grad.clone() for p in self.params]
         self.opt.zero_grad()
-        if self.pending is not None:
-            for p, g in zip(self.params, self.pending):
-                p.grad = g
-            self.opt.step()
-            self.opt.zero_grad()
+        self.flush()
         self.pending = current
 
     def flush(self):
+        """Apply the pending gradients, if any."""
         if self.pending is not None:
             for p, g in zip(self.params, self.pending):
                 p.grad = g
