@@ -25,7 +25,7 @@ from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.host_buffers import HostArena, HostSlot, allocate_landing, build_slots
 from offload_plugin.host_update import update_slots
-from offload_plugin.host_worker import HostWorker
+from offload_plugin.host_worker import HostWorker, JobBatch
 from offload_plugin.transfer import Transfers
 
 __all__ = ["CPUOffloadOptimizer"]
@@ -578,6 +578,7 @@ class CPUOffloadOptimizer(Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
         if not self.delayed_update:  # its running update reads its own gradient buffer
+            self._flush_updates()
             self._worker.drain()
         super().zero_grad(set_to_none)
         self._finite.clear()
@@ -647,28 +648,42 @@ class CPUOffloadOptimizer(Optimizer):
             # (delayed_update waits per parameter, in its jobs.)
             Transfers.wait(self._last_push)
         groups = {m: g for g in self._host_optimizer.param_groups for m in g["params"]}
-        return {
+        plan = {
             "groups": groups, "grad_scale": grad_scale, "submitted": set(),
             "check_each": check_each, "nonfinite": [],
             # Partial offload: parameters updated on the device, and those spared there.
             "device_updated": 0, "device_nonfinite": 0,
         }
+        plan["batch"] = JobBatch(self._worker, partial(self._update_batch, plan))
+        return plan
 
     def _submit_update(self, slot: HostSlot) -> None:
+        """Queue ``slot``'s update (small parameters go to the worker several at a time)."""
         plan = self._overlap
         plan["submitted"].add(slot.master)
+        plan["batch"].add(slot, slot.master.numel())
 
-        def update() -> None:
+    def _flush_updates(self) -> None:
+        """Hand the worker the updates still waiting for their batch to fill."""
+        if self._overlap is not None:
+            self._overlap["batch"].flush()
+
+    def _update_batch(self, plan: dict, slots: list[HostSlot]) -> None:
+        """Worker job: update ``slots`` and send their weights to the device."""
+        finite = []
+        for slot in slots:
             self._settle(slot)
             # Updates that overlap backward cannot wait for a verdict on all gradients:
             # each checks its own before touching the master weight or the state.
             if plan["check_each"] and not all_finite([slot.grad]):
                 plan["nonfinite"].append(slot)
-                return
-            update_slots(self._host_optimizer, plan["groups"], [slot], plan["grad_scale"])
-            self._last_push = self._transfers.to_device([(slot.weight_source(), slot.device_weight())])
-
-        self._worker.submit(update)
+            else:
+                finite.append(slot)
+        if finite:
+            update_slots(self._host_optimizer, plan["groups"], finite, plan["grad_scale"])
+            self._last_push = self._transfers.to_device(
+                [(slot.weight_source(), slot.device_weight()) for slot in finite]
+            )
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -704,6 +719,7 @@ class CPUOffloadOptimizer(Optimizer):
                     self._offload_grad(slot.param)  # set by hand; the hook submits it
                 elif slot.has_grad and slot.master not in plan["submitted"]:
                     self._submit_update(slot)
+            self._flush_updates()
             self._step_on_device(plan)  # its kernels run while the host finishes
             self._worker.drain()
             self._report_spared(plan)
@@ -787,6 +803,7 @@ class CPUOffloadOptimizer(Optimizer):
     def _submit_delayed(self, plan: dict) -> None:
         """Hand every parameter with a gradient to the worker; the next backward lands in
         the other gradient buffer."""
+        batch = JobBatch(self._worker, lambda pairs: [self._delayed_update(*p, plan) for p in pairs])
         for slot in self._slots():
             if not slot.has_grad:
                 continue
@@ -795,7 +812,8 @@ class CPUOffloadOptimizer(Optimizer):
                 slot.grad, slot.grad_spare = slot.grad_spare, slot.grad
             slot.has_grad, slot.grad_event = False, None
             plan["submitted"].add(slot.master)
-            self._worker.submit(partial(self._delayed_update, slot, job_slot, plan))
+            batch.add((slot, job_slot), slot.master.numel())
+        batch.flush()
         self._pending = plan
 
     def _delayed_update(self, slot: HostSlot, job_slot: HostSlot, plan: dict) -> None:

@@ -206,12 +206,18 @@ def test_resume_on_two_ranks_reproduces_uninterrupted_run(kind, request, workdir
         assert torch.equal(final[name], reference[name]), name
 
 
-def test_qlora_two_ranks_offloaded_like_adamw(workdir, tmp_path):
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL)")),
+])  # fmt: skip
+def test_qlora_two_ranks_offloaded_like_adamw(workdir, tmp_path, device):
     """QLoRA under FSDP2: NF4 base weights sharded over 2 ranks, each rank's adapter shards
-    offloaded, trains like torch's AdamW on the same 2 ranks. The demo model's 128-wide NF4
-    weights cannot be split in two (NF4 shards in whole 16384-element blocks), so this
-    builds a 256-wide twin of it with its own random checkpoint. One process is refused
-    with a message (FSDP2 over one rank fails on NF4 weights here)."""
+    offloaded, trains like torch's AdamW on the same 2 ranks (gloo on CPU, NCCL on 2 GPUs).
+    The demo model's 128-wide NF4 weights cannot be split in two (NF4 shards in whole
+    16384-element blocks), so this builds a 256-wide twin of it with its own random
+    checkpoint. One process is refused with a message (FSDP2 over one rank fails on NF4
+    weights here)."""
     from torchtune.models.llama3_2._component_builders import llama3_2
 
     from offload_plugin.demo import TINY_LLAMA_ARGS
@@ -236,7 +242,7 @@ def test_qlora_two_ranks_offloaded_like_adamw(workdir, tmp_path):
             sys.executable, "-m", "torchtune._cli.tune", "run", *launcher, RECIPE["lora"],
             "--config", str(config_path), f"demo_dir={root / 'demo'}", f"output_dir={out}",
             f"max_steps_per_epoch={STEPS}", "epochs=1", "lr_scheduler.num_warmup_steps=2",
-            "metric_logger.filename=log.txt", *TWO_RANKS, *overrides,
+            "metric_logger.filename=log.txt", f"device={device}", *TWO_RANKS, *overrides,
         ]  # fmt: skip
 
     ours, adamw = tmp_path / "qlora_ours", tmp_path / "qlora_adamw"

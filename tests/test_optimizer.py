@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import CPUOffloadOptimizer
+from offload_plugin import CPUOffloadOptimizer, host_worker
 from reference_twin import (
     DEVICES, assert_same_params, batch, make_model, offload, train, trainable, twins,
 )
@@ -292,8 +292,10 @@ def test_fused_path_is_bitwise_torch_fused_adamw_across_chunks(dtype, monkeypatc
 
 
 @pytest.mark.parametrize("name", ["AdamW", "AdamW-fused", "SGD-momentum"])
-def test_overlap_next_step_matches_scale_then_step(name):
+def test_overlap_next_step_matches_scale_then_step(name, monkeypatch):
     """Updates started during the last backward (overlap_next_step) equal scale-then-step."""
+    # Every parameter its own job, as large ones are: small ones otherwise wait for a batch.
+    monkeypatch.setattr(host_worker, "BATCH_NUMEL", 0)
     cls, kwargs = OPTIMIZERS[name]
     ref_model, model = twins()
     ref = cls(trainable(ref_model), **kwargs)
@@ -312,6 +314,37 @@ def test_overlap_next_step_matches_scale_then_step(name):
         opt.step()
         opt.zero_grad()
     assert_same_params(ref_model, model, exact=True)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap_next_step", "step"])
+def test_small_parameters_reach_the_worker_in_batches(overlap, monkeypatch):
+    """Parameters are handed to the host worker in jobs of at least BATCH_NUMEL elements
+    (a larger parameter alone), not one job each, and train exactly like AdamW."""
+    monkeypatch.setattr(host_worker, "BATCH_NUMEL", 100)
+    torch.manual_seed(0)
+    sizes = [30, 30, 30, 30, 250, 10, 10]  # in this order: 30+30+30+30 | 250 | 10+10 (flushed)
+    params = [nn.Parameter(torch.randn(n)) for n in sizes]
+    ref_params = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = CPUOffloadOptimizer(params, lr=1e-2, offload_gradients=True)
+    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    jobs = []
+    submit = opt._worker.submit
+    monkeypatch.setattr(opt._worker, "submit", lambda job, urgent=False: (jobs.append(job), submit(job, urgent)))
+    for step in range(3):
+        for ps, o in ((params, opt), (ref_params, ref)):
+            if o is opt and overlap:
+                opt.overlap_next_step()
+            # Gradients arrive last parameter first, as in a backward pass.
+            sum((p * (i + 1)).square().sum() for i, p in enumerate(ps)).backward()
+            if o is opt and not overlap:
+                opt.scale_grads(1.0)
+            o.step()
+            o.zero_grad()
+    # In parameter order (step) that is 3 jobs a step; during backward, gradients arrive in
+    # autograd's order, which fills batches differently but never needs more than 3.
+    assert len(jobs) == 3 * 3 if not overlap else 3 * 2 <= len(jobs) <= 3 * 3
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("announced", [True, False], ids=["overlap_next_step", "step-only"])
