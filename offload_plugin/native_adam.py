@@ -129,7 +129,10 @@ def _load(path: Path):
     add = lib.add_bf16_inplace
     add.argtypes = [p, p, i64, i]
     add.restype = i
-    return fp32, bf16, add
+    nonfinite = lib.any_nonfinite
+    nonfinite.argtypes = [p, i64, i, i]
+    nonfinite.restype = i
+    return fp32, bf16, add, nonfinite
 
 
 class NativeAdam:
@@ -141,9 +144,10 @@ class NativeAdam:
     """
 
     def __init__(self, fns) -> None:
-        self._fp32, self._bf16, self._add = fns
+        self._fp32, self._bf16, self._add, self._nonfinite = fns
         self.dtypes: set = {torch.float32, torch.bfloat16}
         self.can_add = True
+        self.can_check = True
 
     @staticmethod
     def align(dtype: torch.dtype) -> int:
@@ -199,6 +203,52 @@ class NativeAdam:
             raise RuntimeError("NativeAdam.add_ did not match torch on this machine")
         if dst.numel():
             self._add(dst.data_ptr(), src.data_ptr(), dst.numel(), int(num_threads))
+
+
+    def finite(self, t: torch.Tensor, num_threads: int) -> bool:
+        """Whether a contiguous bf16 or fp32 CPU tensor holds no inf and no NaN."""
+        if not (t.device.type == "cpu" and t.is_contiguous() and t.dtype in _CHECKED):
+            raise ValueError("NativeAdam.finite needs a contiguous bf16 or fp32 CPU tensor")
+        if not self.can_check:
+            raise RuntimeError("NativeAdam.finite did not match torch on this machine")
+        return t.numel() == 0 or not self._nonfinite(
+            t.data_ptr(), t.numel(), t.element_size(), int(num_threads))
+
+
+_CHECKED = (torch.bfloat16, torch.float32)
+
+
+def finite(t: torch.Tensor) -> Optional[bool]:
+    """Whether ``t`` holds no inf and no NaN, in one native read pass (with
+    ``torch.get_num_threads()`` threads); None where that does not apply (not a
+    contiguous bf16/fp32 CPU tensor, or no verified kernel): ask torch then."""
+    native = _state["kernel"] if "kernel" in _state else kernel()
+    if (native is None or not native.can_check or t.device.type != "cpu"
+            or t.dtype not in _CHECKED or not t.is_contiguous()):
+        return None
+    return t.numel() == 0 or not native._nonfinite(
+        t.data_ptr(), t.numel(), t.element_size(), torch.get_num_threads())
+
+
+def _check_matches_torch(native: NativeAdam) -> Optional[str]:
+    """native.finite against torch.isfinite(t).all(): None if they agree everywhere."""
+    gen = torch.Generator().manual_seed(0)
+    for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+        info = torch.iinfo(bits)
+        # Every exponent and sign, with one special value placed at each end and in the middle.
+        n = 7 * 4096 + 5
+        t = torch.randint(info.min, info.max, (n,), generator=gen, dtype=bits).view(dtype)
+        t[~torch.isfinite(t)] = 1.0
+        cases = [t]
+        for bad in (float("inf"), -float("inf"), float("nan")):
+            for where in (0, n // 2, n - 1):
+                c = t.clone()
+                c[where] = bad
+                cases.append(c)
+        for c in cases + [t[:0], t[:1], t[:33]]:
+            if native.finite(c, torch.get_num_threads()) != bool(torch.isfinite(c).all()):
+                return f"finite() differs from torch.isfinite on {dtype}"
+    return None
 
 
 def _addable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -330,7 +380,8 @@ def kernel() -> Optional[NativeAdam]:
                         reasons.append(f"{dtype}: {why}")
                 add_reason = _add_matches_torch(candidate)
                 candidate.can_add = add_reason is None
-                result = candidate if candidate.dtypes or candidate.can_add else None
+                candidate.can_check = _check_matches_torch(candidate) is None
+                result = candidate if candidate.dtypes or candidate.can_add or candidate.can_check else None
             except (RuntimeError, OSError) as err:
                 reasons.append(str(err))
                 add_reason = str(err)

@@ -257,8 +257,20 @@ def test_qlora_two_ranks_offloaded_like_adamw(workdir, tmp_path, device):
     assert logged[STEPS]["loss"] < logged[1]["loss"]
     trained, reference = (_weights(d / "epoch_0" / "adapter_model.pt") for d in (ours, adamw))
     assert trained.keys() == reference.keys() and trained
-    for name in reference:
-        torch.testing.assert_close(trained[name], reference[name], rtol=1e-4, atol=1e-6, msg=name)
+    if device == "cpu":  # both runs update on the host with torch's CPU arithmetic
+        for name in reference:
+            torch.testing.assert_close(trained[name], reference[name], rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{name}: {m}")
+    else:
+        # AdamW on the GPU rounds differently from the host update, and Adam turns the
+        # ~1e-7 differences of near-zero gradients (lora_a's are zero at first, as lora_b
+        # starts at zero) into ~lr steps in single elements. What the adapters do to the
+        # model, lora_b @ lora_a, must still agree closely.
+        for name in (n for n in reference if n.endswith("lora_a.weight")):
+            b_name = name.replace("lora_a", "lora_b")
+            got, want = (w[b_name].double() @ w[name].double() for w in (trained, reference))
+            differ, moved = (got - want).norm(), want.norm()
+            assert moved > 0 and differ <= 1e-3 * moved, f"{name[:-14]}: B@A differs by {differ:.3g} of {moved:.3g}"
 
     one = subprocess.run(command(tmp_path / "one", []), env=workdir[1], cwd=REPO,
                          capture_output=True, text=True, timeout=300)

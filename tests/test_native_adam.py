@@ -286,3 +286,61 @@ def test_add_refuses_tensors_it_cannot_add():
         with pytest.raises(ValueError, match="non-overlapping bf16"):
             kernel.add_(dst, src, 1)
     kernel.add_(torch.zeros(0, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.bfloat16), 1)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("numel", [1, 31, 4096, 3 * 32768 + 77])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_finiteness_check_agrees_with_torch(dtype, numel, threads):
+    """native finite() says what torch.isfinite(t).all() says, for an inf or NaN at
+    either end or inside, on sizes that split into uneven thread ranges or none."""
+    kernel = native_adam.kernel()
+    assert kernel is not None and kernel.can_check
+    torch.manual_seed(numel)
+    t = (torch.randn(numel) * torch.logspace(-30, 30, numel)).to(dtype)
+    assert kernel.finite(t, threads) is True
+    for where in {0, numel // 2, numel - 1}:
+        for bad in (float("inf"), -float("inf"), float("nan")):
+            c = t.clone()
+            c[where] = bad
+            assert kernel.finite(c, threads) is False, (where, bad)
+    big = torch.full((numel,), torch.finfo(dtype).max, dtype=dtype)  # the largest finite value
+    assert kernel.finite(big, threads) is True
+
+
+@needs_compiler
+def test_all_finite_uses_the_native_check_where_it_applies(monkeypatch):
+    from offload_plugin.grad_checks import all_finite
+
+    calls = []
+    real = native_adam.finite
+    monkeypatch.setattr(native_adam, "finite", lambda t: calls.append(t) or real(t))
+    bf16 = torch.ones(1000, dtype=torch.bfloat16)
+    strided = torch.ones(2000, dtype=torch.bfloat16)[::2]
+    half = torch.ones(1000, dtype=torch.float16)
+    assert all_finite([bf16, strided, half]) and len(calls) == 3
+    assert real(bf16) is True and real(strided) is None and real(half) is None  # torch's check then
+    for t in (bf16, strided, half):
+        t[7] = float("nan")
+        assert not all_finite([t])
+
+
+def test_all_finite_without_the_kernel_is_torch(fresh_kernel_state, monkeypatch):
+    from offload_plugin.grad_checks import all_finite
+
+    monkeypatch.setenv("OFFLOAD_PLUGIN_NATIVE", "0")
+    t = torch.ones(4099, dtype=torch.bfloat16)
+    assert all_finite([t]) and native_adam.finite(t) is None
+    t[-1] = float("inf")
+    assert not all_finite([t])
+
+
+@needs_compiler
+def test_check_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch):
+    monkeypatch.setattr(native_adam, "_check_matches_torch", lambda k: "forced check mismatch")
+    kernel = native_adam.kernel()
+    assert kernel is not None and not kernel.can_check
+    assert native_adam.finite(torch.ones(10)) is None
+    with pytest.raises(RuntimeError):
+        kernel.finite(torch.ones(10), 1)

@@ -4,6 +4,7 @@
 // A second entry point updates bf16 weights and moments in place (no master weights),
 // with the gradient scaled in bf16 first, as `g * scale` on a bf16 tensor rounds it.
 // A third adds one bf16 tensor into another (gradient accumulation), as torch's add_ does.
+// A fourth tells whether a bf16 or fp32 tensor holds an inf or a NaN.
 //
 // Bit-exactness with torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp,
 // vectorized body) comes from doing the same IEEE fp32 operations in the same order:
@@ -205,6 +206,32 @@ int adam_bf16_step(uint16_t* weight, const uint16_t* grad, uint16_t* exp_avg,
                              has_scale, grad_scale),
                 num_threads);
   return 0;
+}
+
+// 1 if any of the n elements (bf16 when elem_bytes is 2, fp32 when 4) is an inf or a NaN,
+// else 0: the exponent bits are all ones exactly then (torch.isfinite's answer). One
+// read pass, no temporaries; it is the finiteness check of each update job.
+int any_nonfinite(const void* data, int64_t n, int elem_bytes, int num_threads) {
+  int found = 0;
+  // 16 fp32 or 32 bf16 elements are one cache line; at least 512 lines per thread.
+  const int64_t unit = 64 / elem_bytes;
+  parallel_ranges(n, unit, 512, num_threads, [&](int64_t b, int64_t e) {
+    int bad = 0;
+    if (elem_bytes == 2) {
+      const uint16_t* x = static_cast<const uint16_t*>(data);
+#pragma omp simd reduction(| : bad)
+      for (int64_t i = b; i < e; ++i) bad |= (x[i] & 0x7f80u) == 0x7f80u;
+    } else {
+      const uint32_t* x = static_cast<const uint32_t*>(data);
+#pragma omp simd reduction(| : bad)
+      for (int64_t i = b; i < e; ++i) bad |= (x[i] & 0x7f800000u) == 0x7f800000u;
+    }
+    if (bad) {
+#pragma omp atomic write
+      found = 1;
+    }
+  });
+  return found;
 }
 
 // dst[i] += src[i] for i in [0, n), bf16 (see add_range). dst and src must not overlap.
