@@ -7,14 +7,6 @@ in submission order. An exception inside a job is kept and raised again,
 with the original traceback attached, from the next ``drain()``: nothing fails silently
 and nothing hangs. Jobs after a failed one are skipped.
 
-While it has jobs, the worker lowers Python's thread switch interval (5 ms by default)
-to SWITCH_INTERVAL_S, and restores it when idle. A job spends nearly all its time in native
-code without the GIL, but needs the GIL back after each call; when the training thread
-is running Python (a forward pass), CPython makes a waiting thread wait out the whole
-interval each time. Measured on 16 host threads with a thread running pure Python beside
-it, the host update ran 20x slower at 5 ms. ``OFFLOAD_PLUGIN_SWITCH_INTERVAL_S=0`` leaves
-the interval alone.
-
 At interpreter exit every worker is stopped and joined (``atexit``): a daemon thread
 still alive when Python finalizes is torn down with ``pthread_exit``, which aborts the
 process ("terminate called without an active exception") if it unwinds through C++
@@ -25,9 +17,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import os
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -48,7 +38,6 @@ BATCH_NUMEL = 1 << 22
 _LIVE_WORKERS: "weakref.WeakSet[HostWorker]" = weakref.WeakSet()
 _STOP = object()  # queue sentinel: leave the loop
 _URGENT, _NORMAL, _LAST = 0, 1, 2  # queue priorities
-SWITCH_INTERVAL_S = float(os.environ.get("OFFLOAD_PLUGIN_SWITCH_INTERVAL_S", "2e-4"))
 
 
 def _stop_all_workers() -> None:
@@ -112,15 +101,11 @@ class HostWorker:
     def _run(self, jobs: queue.PriorityQueue) -> None:
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)
-        restore = None  # the switch interval to put back when idle
         while True:
             _, _, job = jobs.get()
             if job is _STOP:
                 jobs.task_done()
-                break
-            if restore is None and 0 < SWITCH_INTERVAL_S < sys.getswitchinterval():
-                restore = sys.getswitchinterval()
-                sys.setswitchinterval(SWITCH_INTERVAL_S)
+                return
             try:
                 if self._error is None:
                     start = time.perf_counter()
@@ -129,12 +114,7 @@ class HostWorker:
             except BaseException as error:  # re-raised in the training thread by drain()
                 self._error = error
             finally:
-                if restore is not None and jobs.empty():
-                    sys.setswitchinterval(restore)
-                    restore = None
                 jobs.task_done()
-        if restore is not None:
-            sys.setswitchinterval(restore)
 
 
 class JobBatch:

@@ -302,28 +302,6 @@ def test_host_worker_runs_urgent_jobs_before_queued_updates():
     assert worker.busy_s > 0
 
 
-@pytest.mark.parametrize("interval", [2e-4, 0.0], ids=["lowered", "left-alone"])
-def test_host_worker_lowers_the_switch_interval_only_while_it_has_jobs(interval, monkeypatch):
-    """The GIL switch interval is SWITCH_INTERVAL_S during jobs and the user's again once
-    the worker is idle (and untouched with OFFLOAD_PLUGIN_SWITCH_INTERVAL_S=0)."""
-    import sys
-
-    from offload_plugin import host_worker
-
-    monkeypatch.setattr(host_worker, "SWITCH_INTERVAL_S", interval)
-    original = sys.getswitchinterval()
-    seen = []
-    worker = host_worker.HostWorker(1)
-    for _ in range(3):
-        worker.submit(lambda: seen.append(sys.getswitchinterval()))
-    worker.drain()
-    assert sys.getswitchinterval() == original
-    worker.submit(lambda: seen.append(sys.getswitchinterval()))
-    worker.close()
-    assert sys.getswitchinterval() == original
-    assert seen == [pytest.approx(interval or original)] * 4
-
-
 @pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
 def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(delayed):
     """With offload_gradients, each micro-batch's gradient is added to the host sum by the
