@@ -50,7 +50,8 @@ def main() -> None:
             print("Notes: " + "; ".join(notes) + "\n")
         print(f"<sub>torch {v.get('torch')}, torchtune {v.get('torchtune')}, torchao "
               f"{v.get('torchao')}, bitsandbytes {v.get('bitsandbytes', '-')}; "
-              f"commit {(run.get('git_commit') or '?')[:10]}</sub>\n")
+              f"commit {(run.get('git_commit') or '?')[:10]}"
+              + (f"; {run['machine']}" if run.get("machine") else "") + "</sub>\n")
 
 
 if __name__ == "__main__":

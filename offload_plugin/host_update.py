@@ -114,6 +114,43 @@ def _fused_adam_update(
             stage[a:b].copy_(master[a:b])
 
 
+def _one_native_call(slot: HostSlot, group: dict) -> bool:
+    """Whether ``slot`` can share one native call with others (step_many): the one-pass
+    kernel applies to all of it (no torch tail) and its buffers are contiguous."""
+    master, stage = slot.master, slot.weight_stage
+    native = _native_kernel(master, slot.grad, stage, group["amsgrad"])
+    return (
+        native is not None and native.can_step_many and master.numel() > 0
+        and master.numel() % native.align(master.dtype) == 0
+        and all(t.is_contiguous() for t in (master, slot.grad) + ((stage,) if stage is not None else ()))
+    )
+
+
+def _fused_adam_many(
+    optimizer: Optimizer, group: dict, slots: list[HostSlot], grad_scale: Optional[float]
+) -> None:
+    """_fused_adam_update for several slots of one group in one native call (hundreds of
+    LoRA adapters: per-slot Python and a thread team per call would dwarf the arithmetic)."""
+    states = [_adam_state(optimizer, slot.master, False) for slot in slots]
+    if not all(st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous() for st in states):
+        for slot in slots:  # e.g. state loaded with another layout
+            _fused_adam_update(optimizer, group, slot, grad_scale)
+        return
+    step_counts = [st["step"] for st in states]
+    torch._foreach_add_(step_counts, 1)  # as each slot's state["step"] += 1
+    decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
+    beta1, beta2 = group["betas"]
+    stages = [slot.weight_stage for slot in slots]
+    native_adam.kernel().step_many(
+        [slot.master for slot in slots], [slot.grad for slot in slots],
+        [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+        None if stages[0] is None else stages, torch.stack(step_counts).tolist(),
+        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+        weight_decay=group["weight_decay"], eps=group["eps"], adamw=decoupled,
+        maximize=group["maximize"], grad_scale=grad_scale, num_threads=torch.get_num_threads(),
+    )
+
+
 def update_slots(
     optimizer: Optimizer,
     group_of: dict,
@@ -130,13 +167,21 @@ def update_slots(
 
     After it returns, each slot's ``weight_stage`` (if any) holds the new weight.
     """
-    generic = []
+    generic, together = [], {}
     for slot in slots:
         group = group_of[slot.master]
-        if uses_fused_adam(optimizer, group):
-            _fused_adam_update(optimizer, group, slot, grad_scale)
-        else:
+        if not uses_fused_adam(optimizer, group):
             generic.append(slot)
+        elif len(slots) > 1 and _one_native_call(slot, group):
+            key = (id(group), slot.master.dtype, slot.weight_stage is None)
+            together.setdefault(key, (group, []))[1].append(slot)
+        else:
+            _fused_adam_update(optimizer, group, slot, grad_scale)
+    for group, batch in together.values():
+        if len(batch) == 1:
+            _fused_adam_update(optimizer, group, batch[0], grad_scale)
+        else:
+            _fused_adam_many(optimizer, group, batch, grad_scale)
     if not generic:
         return
     for slot in generic:

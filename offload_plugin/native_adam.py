@@ -132,7 +132,15 @@ def _load(path: Path):
     nonfinite = lib.any_nonfinite
     nonfinite.argtypes = [p, i64, i, i]
     nonfinite.restype = i
-    return fp32, bf16, add, nonfinite
+    # Arrays of pointers, sizes and step counts, then the shared scalars.
+    pp, pi64, pd = ctypes.POINTER(p), ctypes.POINTER(i64), ctypes.POINTER(d)
+    fp32_many = lib.adam_master_bf16_many
+    fp32_many.argtypes = [i64, pp, pp, pp, pp, pp, pi64, pd, d, d, d, d, d, i, i, i, f, i]
+    fp32_many.restype = i
+    bf16_many = lib.adam_bf16_many
+    bf16_many.argtypes = [i64, pp, pp, pp, pp, pi64, pd, d, d, d, d, d, i, i, i, f, i]
+    bf16_many.restype = i
+    return fp32, bf16, add, nonfinite, fp32_many, bf16_many
 
 
 class NativeAdam:
@@ -144,10 +152,11 @@ class NativeAdam:
     """
 
     def __init__(self, fns) -> None:
-        self._fp32, self._bf16, self._add, self._nonfinite = fns
+        self._fp32, self._bf16, self._add, self._nonfinite, self._fp32_many, self._bf16_many = fns
         self.dtypes: set = {torch.float32, torch.bfloat16}
         self.can_add = True
         self.can_check = True
+        self.can_step_many = True
 
     @staticmethod
     def align(dtype: torch.dtype) -> int:
@@ -193,6 +202,54 @@ class NativeAdam:
             out = weight_out.data_ptr() if weight_out is not None else None
             self._fp32(*ptrs, out, n, *scalars)
 
+    def step_many(
+        self, masters: list, grads: list, exp_avgs: list, exp_avg_sqs: list,
+        weight_outs: Optional[list], steps: list, *, lr: float, beta1: float, beta2: float,
+        weight_decay: float, eps: float, adamw: bool, maximize: bool,
+        grad_scale: Optional[float], num_threads: int,
+    ) -> None:
+        """:meth:`step` for several tensors of one parameter group in one call, each with
+        its own step count (``steps``); the same values as calling :meth:`step` on each.
+        ``weight_outs`` is None or a list like ``masters`` (fp32 masters only)."""
+        if not self.can_step_many:
+            raise RuntimeError("NativeAdam.step_many did not match step() on this machine")
+        count = len(masters)
+        lists = [masters, grads, exp_avgs, exp_avg_sqs] + ([weight_outs] if weight_outs is not None else [])
+        if any(len(x) != count for x in lists) or len(steps) != count:
+            raise ValueError("NativeAdam.step_many needs lists of one length")
+        if count == 0:
+            return
+        dtype = masters[0].dtype
+        if dtype not in self.dtypes or (weight_outs is not None and dtype != torch.float32):
+            raise ValueError("NativeAdam.step_many needs fp32 masters (with optional bf16 "
+                             "weight_outs) or bf16 weights, of a dtype that was verified")
+        state_dtypes = (dtype, torch.bfloat16, dtype, dtype) + ((torch.bfloat16,) if weight_outs is not None else ())
+        numels = []
+        for k in range(count):
+            tensors = [x[k] for x in lists]
+            n = tensors[0].numel()
+            if n % self.align(dtype) or any(
+                t.numel() != n or t.dtype != want or not t.is_contiguous() or t.device.type != "cpu"
+                for t, want in zip(tensors, state_dtypes)
+            ):
+                raise ValueError("NativeAdam.step_many needs, per tensor, contiguous CPU "
+                                 "tensors of one numel, a multiple of NativeAdam.align(dtype), "
+                                 "with the dtypes step() takes")
+            numels.append(n)
+        ptrs = [(ctypes.c_void_p * count)(*(t.data_ptr() for t in x)) for x in lists]
+        scalars = (
+            float(lr), float(beta1), float(beta2), float(weight_decay), float(eps),
+            int(adamw), int(maximize), int(grad_scale is not None),
+            float(grad_scale if grad_scale is not None else 1.0), int(num_threads),
+        )
+        sizes = (ctypes.c_int64 * count)(*numels)
+        step_counts = (ctypes.c_double * count)(*map(float, steps))
+        if dtype == torch.bfloat16:
+            self._bf16_many(count, *ptrs, sizes, step_counts, *scalars)
+        else:
+            outs = ptrs[4] if weight_outs is not None else None
+            self._fp32_many(count, *ptrs[:4], outs, sizes, step_counts, *scalars)
+
     def add_(self, dst: torch.Tensor, src: torch.Tensor, num_threads: int) -> None:
         """``dst += src`` for contiguous, non-overlapping bf16 CPU tensors of one numel
         (any numel), with the values of ``dst.add_(src)``; a NaN is stored as 0xffff."""
@@ -228,6 +285,32 @@ def finite(t: torch.Tensor) -> Optional[bool]:
         return None
     return t.numel() == 0 or not native._nonfinite(
         t.data_ptr(), t.numel(), t.element_size(), torch.get_num_threads())
+
+
+def _many_matches_step(native: NativeAdam) -> Optional[str]:
+    """native.step_many against native.step tensor by tensor (steps and sizes differing,
+    fp32 masters with and without weight_out, bf16): None if bit-identical."""
+    gen = torch.Generator().manual_seed(1)
+    for dtype in sorted(native.dtypes, key=str):
+        for with_out in ([True, False] if dtype == torch.float32 else [False]):
+            sizes = [ALIGN_BF16 * k for k in (1, 3, 1100, 2)]  # 1100 * 64 > one 64 Ki piece
+            steps = [1.0, 2.0, 7.0, 1000.0]
+            made = [[(torch.randn(n, generator=gen) * 0.1).to(dtype) for _ in range(3)] for n in sizes]
+            grads = [torch.randn(n, generator=gen).to(torch.bfloat16) for n in sizes]
+            twins = [[t.clone() for t in ts] for ts in made]
+            outs = [torch.empty(n, dtype=torch.bfloat16) for n in sizes] if with_out else None
+            twin_outs = [o.clone() for o in outs] if with_out else None
+            kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, adamw=True,
+                      maximize=False, grad_scale=0.5, num_threads=torch.get_num_threads())
+            native.step_many([m[0] for m in made], grads, [m[1] for m in made], [m[2] for m in made],
+                             outs, steps, **kw)
+            for k, (w, m, v) in enumerate(twins):
+                native.step(w, grads[k], m, v, twin_outs[k] if with_out else None, step=steps[k], **kw)
+                got = made[k] + ([outs[k]] if with_out else [])
+                want = [w, m, v] + ([twin_outs[k]] if with_out else [])
+                if not all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, want)):
+                    return f"step_many differs from step for {dtype}"
+    return None
 
 
 def _check_matches_torch(native: NativeAdam) -> Optional[str]:
@@ -381,6 +464,7 @@ def kernel() -> Optional[NativeAdam]:
                 add_reason = _add_matches_torch(candidate)
                 candidate.can_add = add_reason is None
                 candidate.can_check = _check_matches_torch(candidate) is None
+                candidate.can_step_many = bool(candidate.dtypes) and _many_matches_step(candidate) is None
                 result = candidate if candidate.dtypes or candidate.can_add or candidate.can_check else None
             except (RuntimeError, OSError) as err:
                 reasons.append(str(err))

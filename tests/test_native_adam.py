@@ -344,3 +344,85 @@ def test_check_that_fails_verification_is_not_used(fresh_kernel_state, monkeypat
     assert native_adam.finite(torch.ones(10)) is None
     with pytest.raises(RuntimeError):
         kernel.finite(torch.ones(10), 1)
+
+
+def _run_many(sizes, adamw, grad_scale, native, master_weights, steps=3, seed=0):
+    """update_slots over several parameters at once (two param groups, sizes that do and do
+    not fit one native call, a parameter that joins a step late); returns every tensor."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.float32 if master_weights else torch.bfloat16
+    masters = [(torch.randn(n, generator=gen) * 3).to(dtype) for n in sizes]
+    slots = [HostSlot(param=torch.zeros(1), master=m, grad=torch.empty(m.numel(), dtype=torch.bfloat16),
+                      weight_stage=torch.empty(m.numel(), dtype=torch.bfloat16) if master_weights else None)
+             for m in masters]
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    half = len(masters) // 2
+    opt = cls([{"params": masters[:half]}, {"params": masters[half:], "lr": 3e-3, "betas": (0.5, 0.9)}],
+              lr=1e-3, weight_decay=0.02, fused=True)
+    groups = {m: g for g in opt.param_groups for m in g["params"]}
+    host_update.USE_NATIVE = native
+    try:
+        for k in range(steps):
+            for slot in slots:
+                slot.grad.copy_(torch.randn(slot.grad.numel(), generator=gen))
+            # The last parameter skips the first step: its step count then differs.
+            host_update.update_slots(opt, groups, slots if k else slots[:-1], grad_scale)
+    finally:
+        host_update.USE_NATIVE = True
+    out = []
+    for slot in slots:
+        st = opt.state[slot.master]
+        out += [slot.master, st["exp_avg"], st["exp_avg_sq"], st["step"], slot.weight_source()]
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("master_weights", [True, False], ids=["fp32-master", "bf16-no-master"])
+@pytest.mark.parametrize("adamw,grad_scale", [(True, None), (True, 1 / 4096), (False, 0.37)],
+                         ids=["adamw", "adamw-scaled", "adam-scaled"])
+def test_many_parameters_in_one_native_call_are_bitwise_torch_fused(adamw, grad_scale, master_weights,
+                                                                  monkeypatch):
+    """Small parameters of a group are updated by one step_many call, bit for bit as torch's
+    fused kernel updates each; sizes that are not a multiple of the kernel's block take the
+    per-parameter path beside them."""
+    calls = []
+    kernel = native_adam.kernel()
+    assert kernel.can_step_many
+    real = type(kernel).step_many
+    monkeypatch.setattr(type(kernel), "step_many", lambda self, *a, **k: calls.append(len(a[0])) or real(self, *a, **k))
+    sizes = [64, 128, 64 * 1100, 100, 64, 4096, 64 * 3, 64 * 2000 + 7]
+    got = _run_many(sizes, adamw, grad_scale, native=True, master_weights=master_weights)
+    assert calls and max(calls) >= 2, calls  # several parameters per call
+    want = _run_many(sizes, adamw, grad_scale, native=False, master_weights=master_weights)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"parameter {k // 5}, tensor {k % 5} differs"
+
+
+@needs_compiler
+def test_step_many_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch):
+    monkeypatch.setattr(native_adam, "_many_matches_step", lambda k: "forced mismatch")
+    kernel = native_adam.kernel()
+    assert kernel.dtypes and not kernel.can_step_many
+    with pytest.raises(RuntimeError):
+        kernel.step_many([], [], [], [], None, [], lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0,
+                         eps=1e-8, adamw=True, maximize=False, grad_scale=None, num_threads=1)
+    got = _run_many([64, 128, 192], True, None, native=True, master_weights=True)
+    want = _run_many([64, 128, 192], True, None, native=False, master_weights=True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@needs_compiler
+def test_step_many_refuses_tensors_it_cannot_update():
+    kernel = native_adam.kernel()
+    kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, adamw=True,
+              maximize=False, grad_scale=None, num_threads=1)
+    f = lambda n: torch.zeros(n)  # noqa: E731
+    g = lambda n: torch.zeros(n, dtype=torch.bfloat16)  # noqa: E731
+    with pytest.raises(ValueError, match="one length"):
+        kernel.step_many([f(64)], [g(64)], [f(64)], [], None, [1.0], **kw)
+    with pytest.raises(ValueError, match="per tensor"):
+        kernel.step_many([f(65)], [g(65)], [f(65)], [f(65)], None, [1.0], **kw)  # 65 elements: not whole blocks
+    with pytest.raises(ValueError, match="per tensor"):
+        kernel.step_many([f(128)[::2]], [g(64)], [f(64)], [f(64)], None, [1.0], **kw)  # strided
+    with pytest.raises(ValueError, match="fp32 masters"):
+        kernel.step_many([g(64)], [g(64)], [g(64)], [g(64)], [g(64)], [1.0], **kw)  # bf16 with weight_out

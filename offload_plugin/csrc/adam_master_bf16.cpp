@@ -4,7 +4,8 @@
 // A second entry point updates bf16 weights and moments in place (no master weights),
 // with the gradient scaled in bf16 first, as `g * scale` on a bf16 tensor rounds it.
 // A third adds one bf16 tensor into another (gradient accumulation), as torch's add_ does.
-// A fourth tells whether a bf16 or fp32 tensor holds an inf or a NaN.
+// A fourth tells whether a bf16 or fp32 tensor holds an inf or a NaN. The update also
+// comes in a form that takes many tensors in one call.
 //
 // Bit-exactness with torch's fused CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp,
 // vectorized body) comes from doing the same IEEE fp32 operations in the same order:
@@ -14,10 +15,11 @@
 // as torch does. offload_plugin.native_adam checks the result against torch's kernel on
 // this machine before using it, and falls back to torch if a single bit differs.
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <omp.h>
+#include <vector>
 
 namespace {
 
@@ -137,20 +139,33 @@ Coefficients coefficients(double lr, double beta1, double beta2, double weight_d
   return c;
 }
 
-// Calls fn(begin, end) on up to num_threads OpenMP threads, splitting [0, n) at multiples
-// of `unit` elements (whole cache lines: no two threads write one line) and giving each
-// thread at least `min_units` units (a smaller share is not worth waking a thread for).
+// Calls fn(begin, end) on up to num_threads OpenMP threads over pieces of [0, n) that
+// start at multiples of `unit` elements (whole cache lines: no two threads write one line),
+// using a thread only for at least `min_units` units (a smaller share is not worth waking
+// a thread for). The pieces are handed out as threads ask for them (about 16 per thread),
+// not split up front: the host worker shares its cores with the training thread and the
+// CUDA driver, and with a fixed split the whole call waits for whichever thread lost its
+// core for a while. Every element is computed the same way whichever thread takes it.
 template <typename F>
 void parallel_ranges(int64_t n, int64_t unit, int64_t min_units, int num_threads, const F& fn) {
   const int64_t units = (n + unit - 1) / unit;
   int64_t threads = num_threads > 0 ? num_threads : 1;
   if (units < threads * min_units) threads = units / min_units > 0 ? units / min_units : 1;
+  if (threads == 1) {
+    if (n > 0) fn(0, n);
+    return;
+  }
+  int64_t piece = units / (threads * 16);
+  if (piece < min_units) piece = min_units;
+  std::atomic<int64_t> next{0};
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t u0 = units * t / nt, u1 = units * (t + 1) / nt;
-    const int64_t b = u0 * unit, e = u1 * unit < n ? u1 * unit : n;
-    if (b < e) fn(b, e);
+    for (;;) {
+      const int64_t u0 = next.fetch_add(piece, std::memory_order_relaxed);
+      if (u0 >= units) break;
+      const int64_t u1 = u0 + piece < units ? u0 + piece : units;
+      fn(u0 * unit, u1 * unit < n ? u1 * unit : n);
+    }
   }
 }
 
@@ -163,6 +178,54 @@ void run(S* master, const uint16_t* grad, S* exp_avg, S* exp_avg_sq, uint16_t* w
   parallel_ranges(n, 16, 64, num_threads, [&](int64_t b, int64_t e) {
     fn(master, grad, exp_avg, exp_avg_sq, weight_out, b, e, c);
   });
+}
+
+// The update of `count` tensors of one parameter group in one call: one step count per
+// tensor (its own bias corrections), everything else shared. The tensors are cut into
+// pieces of at most 64 Ki elements (whole cache lines) that threads take as they come, so
+// hundreds of small tensors (LoRA adapters) cost one call and one thread team, and each
+// element is computed exactly as `run` computes it.
+template <typename S>
+void run_many(int64_t count, S* const* master, const uint16_t* const* grad, S* const* exp_avg,
+              S* const* exp_avg_sq, uint16_t* const* weight_out, const int64_t* numel,
+              const double* step, double lr, double beta1, double beta2, double weight_decay,
+              double eps, int adamw, int maximize, int has_scale, float grad_scale,
+              int num_threads) {
+  if (count <= 0) return;
+  std::vector<Coefficients> c;
+  c.reserve(count);
+  for (int64_t t = 0; t < count; ++t)
+    c.push_back(coefficients(lr, beta1, beta2, weight_decay, eps, step[t], adamw, maximize,
+                             has_scale, grad_scale));
+  // The variant depends on beta1 and the shared flags only: the same for every tensor.
+  const Coefficients& c0 = c[0];
+  RangeFn<S> fn = c0.lerp_from_avg ? pick2<S, true>(c0.adamw, c0.has_decay, c0.has_scale, c0.maximize)
+                                   : pick2<S, false>(c0.adamw, c0.has_decay, c0.has_scale, c0.maximize);
+  constexpr int64_t kPiece = 1 << 16;
+  struct Piece { int64_t tensor, begin, end; };
+  std::vector<Piece> pieces;
+  int64_t total = 0;
+  for (int64_t t = 0; t < count; ++t) {
+    for (int64_t b = 0; b < numel[t]; b += kPiece)
+      pieces.push_back({t, b, b + kPiece < numel[t] ? b + kPiece : numel[t]});
+    total += numel[t];
+  }
+  // At least 1024 elements per thread, as `run` asks.
+  int64_t threads = num_threads > 0 ? num_threads : 1;
+  if (total < threads * 1024) threads = total / 1024 > 0 ? total / 1024 : 1;
+  const int64_t n_pieces = static_cast<int64_t>(pieces.size());
+  std::atomic<int64_t> next{0};
+#pragma omp parallel num_threads(static_cast<int>(threads))
+  {
+    for (;;) {
+      const int64_t k = next.fetch_add(1, std::memory_order_relaxed);
+      if (k >= n_pieces) break;
+      const Piece& p = pieces[k];
+      const int64_t t = p.tensor;
+      fn(master[t], grad[t], exp_avg[t], exp_avg_sq[t], weight_out ? weight_out[t] : nullptr,
+         p.begin, p.end, c[t]);
+    }
+  }
 }
 
 // dst += src in bf16: both widened to fp32 (exact), one fp32 addition, rounded to nearest
@@ -232,6 +295,31 @@ int any_nonfinite(const void* data, int64_t n, int elem_bytes, int num_threads) 
     }
   });
   return found;
+}
+
+// adam_master_bf16_step for `count` tensors (see run_many); `weight_out` may be null, or
+// hold null entries. Returns 0.
+int adam_master_bf16_many(int64_t count, float* const* master, const uint16_t* const* grad,
+                          float* const* exp_avg, float* const* exp_avg_sq,
+                          uint16_t* const* weight_out, const int64_t* numel, const double* step,
+                          double lr, double beta1, double beta2, double weight_decay, double eps,
+                          int adamw, int maximize, int has_scale, float grad_scale,
+                          int num_threads) {
+  run_many<float>(count, master, grad, exp_avg, exp_avg_sq, weight_out, numel, step, lr, beta1,
+                  beta2, weight_decay, eps, adamw, maximize, has_scale, grad_scale, num_threads);
+  return 0;
+}
+
+// adam_bf16_step for `count` tensors (see run_many). Returns 0.
+int adam_bf16_many(int64_t count, uint16_t* const* weight, const uint16_t* const* grad,
+                   uint16_t* const* exp_avg, uint16_t* const* exp_avg_sq, const int64_t* numel,
+                   const double* step, double lr, double beta1, double beta2,
+                   double weight_decay, double eps, int adamw, int maximize, int has_scale,
+                   float grad_scale, int num_threads) {
+  run_many<uint16_t>(count, weight, grad, exp_avg, exp_avg_sq, nullptr, numel, step, lr, beta1,
+                     beta2, weight_decay, eps, adamw, maximize, has_scale, grad_scale,
+                     num_threads);
+  return 0;
 }
 
 // dst[i] += src[i] for i in [0, n), bf16 (see add_range). dst and src must not overlap.
