@@ -48,7 +48,7 @@ for stage in "$@"; do
             --measure-host-update --steps 5 --optimizers gpu_adamw,offload_grads_nomaster,offload_grads_nomaster_delayed,torchao,bnb_paged8bit ;;
     8b16k)
         bench llama3_1_8b-full-16384-ga4-ac --model llama3_1_8b --job full --tokens-per-step 16384 --seq-len 2048 \
-            --grad-accum 4 --activation-checkpointing --steps 4 --warmup 1 \
+            --grad-accum 4 --activation-checkpointing --steps 6 --warmup 2 \
             --optimizers gpu_adamw,offload_grads_nomaster,offload_grads_nomaster_delayed,offload_grads_nomaster_devacc,offload_grads_nomaster_devacc_delayed,bnb_paged8bit ;;
     fsdp2)
         # Global 16384 tokens = 2 ranks x 2 micro-batches x 2 sequences of 2048. A child that
