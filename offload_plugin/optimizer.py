@@ -803,7 +803,7 @@ class CPUOffloadOptimizer(Optimizer):
     def _submit_delayed(self, plan: dict) -> None:
         """Hand every parameter with a gradient to the worker; the next backward lands in
         the other gradient buffer."""
-        batch = JobBatch(self._worker, lambda pairs: [self._delayed_update(*p, plan) for p in pairs])
+        batch = JobBatch(self._worker, partial(self._delayed_update, plan))
         for slot in self._slots():
             if not slot.has_grad:
                 continue
@@ -816,18 +816,26 @@ class CPUOffloadOptimizer(Optimizer):
         batch.flush()
         self._pending = plan
 
-    def _delayed_update(self, slot: HostSlot, job_slot: HostSlot, plan: dict) -> None:
-        """Worker job: update one parameter, then send it if the device is done with it."""
-        Transfers.wait(slot.push_event)  # the previous weight has left the stage
-        self._settle(job_slot)
-        if plan["check_each"] and not all_finite([job_slot.grad]):
-            plan["nonfinite"].append(slot)  # unchanged; nothing to send
+    def _delayed_update(self, plan: dict, pairs: list[tuple[HostSlot, HostSlot]]) -> None:
+        """Worker job: update a batch of parameters (each ``(slot, job_slot)``: the slot and
+        its copy holding this step's gradient buffer), then send each updated weight the
+        device is done with."""
+        finite = []
+        for slot, job_slot in pairs:
+            Transfers.wait(slot.push_event)  # the previous weight has left the stage
+            self._settle(job_slot)
+            if plan["check_each"] and not all_finite([job_slot.grad]):
+                plan["nonfinite"].append(slot)  # unchanged; nothing to send
+            else:
+                finite.append((slot, job_slot))
+        if not finite:
             return
-        update_slots(self._host_optimizer, plan["groups"], [job_slot], plan["grad_scale"])
+        update_slots(self._host_optimizer, plan["groups"], [j for _, j in finite], plan["grad_scale"])
         with self._push_lock:
-            slot.push_ready = True
-            if slot.free_to_push:
-                self._push(slot)
+            for slot, _ in finite:
+                slot.push_ready = True
+                if slot.free_to_push:
+                    self._push(slot)
 
     def _release_for_push(self, slot: HostSlot) -> None:
         """The last backward before step() is done with ``slot``'s weight."""
