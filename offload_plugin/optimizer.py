@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 import torch
 from torch.optim import Optimizer
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from offload_plugin.checkpoint_compat import (
     TORCHAO_MINIMAL_SIZE,
@@ -277,6 +278,11 @@ class CPUOffloadOptimizer(Optimizer):
         self._pending: Optional[dict] = None
         self._final_backward = False
         self._deferred_scale: Optional[float] = None
+        # overlap_next_step(clipping=True): each gradient is scaled and its norm taken on
+        # the host worker during backward; clip_grad_norm_ sums the norms and leaves the
+        # multiply by its coefficient to each parameter's update job.
+        self._prenorm: Optional[dict] = None
+        self._clip_coef: Optional[torch.Tensor] = None
         self._push_lock = threading.Lock()
         self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0,
                         "on_device": 0, "on_device_numel": 0}
@@ -445,6 +451,8 @@ class CPUOffloadOptimizer(Optimizer):
         param.grad = None
         if self._overlap is not None:
             self._submit_update(slot)
+        elif self._prenorm is not None:
+            self._prenorm["batch"].add(slot, slot.grad.numel())
         elif self._final_backward:
             self._release_for_push(slot)
 
@@ -497,6 +505,16 @@ class CPUOffloadOptimizer(Optimizer):
                 "overlap steps that clip."
             )
         grads = self._ready_grads()
+        if self._prenorm is not None:  # scaled (and normed) by the worker: let it finish
+            self._prenorm["batch"].flush()
+            self._worker.drain()
+        if self._clip_coef is not None and action != "step()":
+            # Something other than step() reads or changes the gradients after a clip
+            # whose multiply was left to the update jobs: do the multiply now, as
+            # clip_grad_norm_ would have, and forget the norms it made stale.
+            for g in grads:
+                g.mul_(self._clip_coef.to(g.device))
+            self._clip_coef, self._prenorm = None, None
         if self._deferred_scale is not None:
             # delayed_update: overlap_next_step's grad_scale, applied before anything reads
             # the gradients, as if scale_grads() had been called right after backward.
@@ -511,7 +529,8 @@ class CPUOffloadOptimizer(Optimizer):
         Equivalent to torchtune's ``training.scale_grads(model, factor)``, which cannot
         reach offloaded gradients (they are ``None`` on the model).
         """
-        if self._final_backward and self._deferred_scale is not None:
+        if self._final_backward and (self._deferred_scale is not None or (
+                self._prenorm is not None and self._prenorm["grad_scale"] is not None)):
             raise RuntimeError(
                 "scale_grads() after overlap_next_step(grad_scale=...): the scale is "
                 "already applied once; call one or the other."
@@ -563,6 +582,14 @@ class CPUOffloadOptimizer(Optimizer):
                 positive number.
         """
         grads = self._grads_in_place("clip_grad_norm_()")
+        if self._prenorm is not None and float(norm_type) == 2.0 and foreach is None:
+            total = self._total_of_prenorms(grads, error_if_nonfinite)
+            # Each update job multiplies its gradient by this first, as the loop below
+            # would here: the same values, without a pass over all gradients in between.
+            self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            self._finite.record((~torch.isfinite(total)).float(), grads)
+            self._scaled_since_zero_grad = True
+            return total
         if self._meshes:
             params = [p for p, _ in self._ready_pairs()]
             total = distributed.global_total_norm(params, grads, norm_type, error_if_nonfinite, foreach)
@@ -575,11 +602,48 @@ class CPUOffloadOptimizer(Optimizer):
         self._scaled_since_zero_grad = True
         return total
 
+    def _total_of_prenorms(self, grads: list[torch.Tensor], error_if_nonfinite: bool) -> torch.Tensor:
+        """torch.nn.utils.get_total_norm(grads) from the norms the worker took during
+        backward: torch stacks the per-tensor norms grouped by device and dtype, in that
+        order, so the same grouping gives the same bits."""
+        norms = self._prenorm["norms"]
+        grouped = _group_tensors_by_device_and_dtype([grads])
+        ordered = []
+        for (device, _), ([device_grads], _) in grouped.items():
+            for g in device_grads:
+                if g not in norms:  # not seen by a worker job: scale and norm it now
+                    self._scale_and_norm_grad(self._prenorm, g)
+                ordered.append(norms[g])
+        total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in ordered]), 2.0)
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(
+                "The total norm of order 2.0 for gradients from `parameters` is non-finite, so "
+                "it cannot be clipped. To disable this error and scale the gradients by the "
+                "non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        return total
+
+    def _scale_and_norm(self, pre: dict, slots: list[HostSlot]) -> None:
+        """Worker job during a clipped step's last backward: scale each gradient as
+        scale_grads would and take its norm as get_total_norm would."""
+        for slot in slots:
+            self._settle(slot)
+            self._scale_and_norm_grad(pre, slot.grad)
+
+    @staticmethod
+    def _scale_and_norm_grad(pre: dict, grad: torch.Tensor) -> None:
+        if pre["grad_scale"] is not None:  # as _scale() multiplies, bit for bit
+            torch._amp_foreach_non_finite_check_and_unscale_([grad], pre["found"], pre["scale"])
+        pre["norms"][grad] = torch._foreach_norm([grad], 2.0)[0]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
         if not self.delayed_update:  # its running update reads its own gradient buffer
             self._flush_updates()
+            if self._prenorm is not None:
+                self._prenorm["batch"].flush()
             self._worker.drain()
+        self._prenorm, self._clip_coef = None, None
         super().zero_grad(set_to_none)
         self._finite.clear()
         for slot in self._slot_list:
@@ -593,7 +657,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._scaled_since_zero_grad = False
 
     # ------------------------------------------------------------------ step
-    def overlap_next_step(self, grad_scale: Optional[float] = None) -> None:
+    def overlap_next_step(self, grad_scale: Optional[float] = None, clipping: bool = False) -> None:
         """Start each parameter's update as soon as the next backward delivers its gradient.
 
         Call it right before the last backward of an accumulation window, then call
@@ -605,6 +669,11 @@ class CPUOffloadOptimizer(Optimizer):
         Args:
             grad_scale (float, optional): multiply each gradient by this in the update
                 (torchtune's ``1 / num_tokens``), since ``scale_grads`` comes too late.
+            clipping (bool): ``clip_grad_norm_`` will be called before ``step()``. No update
+                may start before it, but each gradient is scaled and its norm taken as it
+                reaches the host, so ``clip_grad_norm_`` only sums the norms, and the
+                multiply by the clip coefficient happens in each parameter's update job.
+                Same results as scaling, clipping and stepping afterwards.
 
         Raises:
             ValueError: without ``offload_gradients=True``, whose backward hooks are what
@@ -621,13 +690,21 @@ class CPUOffloadOptimizer(Optimizer):
             self._final_backward = True
             self._deferred_scale = grad_scale
             return
-        if self._meshes:
+        if self._meshes or (clipping and self._device_share is not None):
             # Sharded: an update that starts during backward must judge its gradient
             # alone, and a NaN on another rank would then be skipped there but applied
             # here. Only the gradient transfers overlap; step() scales by grad_scale, agrees
-            # on the verdict with the other ranks, then updates.
+            # on the verdict with the other ranks, then updates. (Likewise when clipping
+            # with device_fraction, whose device share is scaled and normed at clip time.)
             self._final_backward = True
             self._deferred_scale = grad_scale
+            return
+        if clipping:
+            self._final_backward = True
+            pre = {"grad_scale": grad_scale, "found": torch.zeros(1), "norms": {},
+                   "scale": torch.tensor([grad_scale if grad_scale is not None else 1.0])}
+            pre["batch"] = JobBatch(self._worker, partial(self._scale_and_norm, pre))
+            self._prenorm = pre
             return
         self._overlap = self._prepare_updates(grad_scale, check_each=True)
 
@@ -654,6 +731,7 @@ class CPUOffloadOptimizer(Optimizer):
             # Partial offload: parameters updated on the device, and those spared there.
             "device_updated": 0, "device_nonfinite": 0,
         }
+        plan["clip_coef"] = self._clip_coef
         plan["batch"] = JobBatch(self._worker, partial(self._update_batch, plan))
         return plan
 
@@ -680,6 +758,9 @@ class CPUOffloadOptimizer(Optimizer):
             else:
                 finite.append(slot)
         if finite:
+            if plan["clip_coef"] is not None:  # clip_grad_norm_ left the multiply to us
+                for slot in finite:
+                    slot.grad.mul_(plan["clip_coef"])
             update_slots(self._host_optimizer, plan["groups"], finite, plan["grad_scale"])
             self._last_push = self._transfers.to_device(
                 [(slot.weight_source(), slot.device_weight()) for slot in finite]
@@ -726,6 +807,7 @@ class CPUOffloadOptimizer(Optimizer):
         finally:
             self._overlap = None
             self._final_backward, self._deferred_scale = False, None
+            self._prenorm, self._clip_coef = None, None
             if not self.offload_gradients:
                 for slot in self._slot_list:
                     slot.has_grad = False

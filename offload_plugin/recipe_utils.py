@@ -44,22 +44,23 @@ def _is_offload(optimizer: torch.optim.Optimizer) -> bool:
 def overlap_last_backward(
     optimizer: torch.optim.Optimizer, num_tokens: torch.Tensor, clip_grad_norm
 ) -> bool:
-    """Before the last backward of a step, let the host updates start during it.
+    """Before the last backward of a step, let the host work start during it.
 
-    Only for ``CPUOffloadOptimizer(offload_gradients=True)``, and without clipping, which
-    needs every gradient before any update, unless ``delayed_update`` (whose update starts
-    after step() anyway: here it learns when each updated weight may return early). Exact:
-    the optimizer applies ``1/num_tokens`` itself instead of ``scale_grads`` afterwards,
-    which then does nothing.
+    Only for ``CPUOffloadOptimizer(offload_gradients=True)``. Without clipping each
+    parameter's update starts as soon as its gradient reaches the host. With clipping no
+    update may start before the global norm is known, so the gradients are scaled and
+    their norms taken as they arrive, and ``clip_grad_norm`` only adds the norms up
+    (with ``delayed_update`` the update starts after step() anyway: here it learns when
+    each updated weight may return early). Exact: the optimizer applies ``1/num_tokens``
+    itself instead of ``scale_grads`` afterwards, which then does nothing.
 
     Returns:
         bool: whether the optimizer takes over the ``1/num_tokens`` scaling.
     """
     if not (_is_offload(optimizer) and optimizer.offload_gradients):
         return False
-    if clip_grad_norm is not None and not optimizer.delayed_update:
-        return False
-    optimizer.overlap_next_step(grad_scale=1.0 / float(num_tokens))
+    clipping = clip_grad_norm is not None and not optimizer.delayed_update
+    optimizer.overlap_next_step(grad_scale=1.0 / float(num_tokens), clipping=clipping)
     return True
 
 

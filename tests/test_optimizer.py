@@ -316,6 +316,94 @@ def test_overlap_next_step_matches_scale_then_step(name, monkeypatch):
     assert_same_params(ref_model, model, exact=True)
 
 
+def _clipped_steps(model, opt, steps, accum, clip, announce, second_clip=None):
+    """torchtune's order with clipping. ``announce``: overlap_next_step(clipping=True)
+    before the last backward (the gradients are scaled and normed as they arrive) instead
+    of scale_grads() after it. Returns the gradient norms clip_grad_norm_ returned."""
+    norms = []
+    for step in range(steps):
+        rows = 0
+        for micro in range(accum):
+            x, y = batch(step, micro, "cpu", next(model.parameters()).dtype)
+            rows += x.shape[0]
+            if announce and micro == accum - 1:
+                opt.overlap_next_step(grad_scale=1.0 / (8 * accum), clipping=True)  # 8 rows a micro-batch
+            ((model(x) - y) ** 2).sum().backward()
+        if announce and host_worker.BATCH_NUMEL == 0:  # the worker scaled and normed
+            opt._worker.drain()                          # every gradient during backward
+            assert len(opt._prenorm["norms"]) == len(trainable(model))
+        if not announce:
+            opt.scale_grads(torch.tensor(1.0 / rows))
+        norms.append(opt.clip_grad_norm_(clip))
+        if second_clip is not None:
+            norms.append(opt.clip_grad_norm_(second_clip))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+@pytest.mark.parametrize("dtype,master_weights", [(torch.float32, True), (torch.bfloat16, True),
+                                                  (torch.bfloat16, False)],
+                         ids=["fp32", "bf16-masters", "bf16-no-masters"])
+@pytest.mark.parametrize("accum,on_device", [(1, False), (3, False), (3, True)],
+                         ids=["no-accumulation", "host-accumulation", "accumulate_on_device"])
+@pytest.mark.parametrize("clip", [0.05, 1e6], ids=["clipping", "not-clipping"])
+def test_clipped_step_announced_with_overlap_next_step_is_exact(dtype, master_weights, accum, on_device,
+                                                                clip, monkeypatch):
+    """overlap_next_step(clipping=True): scaling and norms during backward, the clip
+    multiply inside the update jobs; the same bits as scale_grads, clip_grad_norm_, step
+    (which equal torch's AdamW with clip_grad_norm_, tested above), norms included."""
+    kwargs = dict(lr=1e-2, weight_decay=0.1, fused=True, master_weights=master_weights,
+                  accumulate_on_device=on_device)
+    ref_model, model = twins(dtype=dtype)
+    ref = offload(ref_model, offload_gradients=True, **kwargs)
+    opt = offload(model, offload_gradients=True, **kwargs)
+    want = _clipped_steps(ref_model, ref, 4, accum, clip, announce=False)
+    monkeypatch.setattr(host_worker, "BATCH_NUMEL", 0)  # each gradient its own job, as large ones are
+    got = _clipped_steps(model, opt, 4, accum, clip, announce=True)
+    assert [n.item() for n in got] == [n.item() for n in want] and got[0].dtype == want[0].dtype
+    assert (max(n.item() for n in want) > clip) == (clip < 1)  # the small clip does clip
+    assert_same_params(ref_model, model, exact=True)
+    # The mode ends with its step.
+    assert opt._clip_coef is None and opt._prenorm is None
+
+
+def test_a_second_clip_after_an_announced_one_sees_clipped_gradients():
+    ref_model, model = twins()
+    ref = offload(ref_model, offload_gradients=True, lr=1e-2)
+    opt = offload(model, offload_gradients=True, lr=1e-2)
+    want = _clipped_steps(ref_model, ref, 3, 2, 0.05, announce=False, second_clip=0.01)
+    got = _clipped_steps(model, opt, 3, 2, 0.05, announce=True, second_clip=0.01)
+    assert [n.item() for n in got] == [n.item() for n in want]
+    assert_same_params(ref_model, model, exact=True)
+
+
+def test_clipping_announced_refuses_a_second_scale():
+    _, model = twins()
+    opt = offload(model, offload_gradients=True, lr=1e-2)
+    opt.overlap_next_step(grad_scale=0.5, clipping=True)
+    x, y = batch(0, 0, "cpu")
+    ((model(x) - y) ** 2).sum().backward()
+    with pytest.raises(RuntimeError, match="already applied once"):
+        opt.scale_grads(0.5)
+
+
+def test_clipping_announced_skips_a_step_with_a_nan_gradient(caplog):
+    """A NaN makes the global norm NaN: the step is skipped, as after scale, clip, step."""
+    _, model = twins()
+    opt = offload(model, offload_gradients=True, lr=1e-2)
+    before = [p.detach().clone() for p in trainable(model)]
+    opt.overlap_next_step(grad_scale=0.5, clipping=True)
+    x, y = batch(0, 0, "cpu")
+    x[0, 0] = float("nan")
+    ((model(x) - y) ** 2).sum().backward()
+    norm = opt.clip_grad_norm_(1.0)
+    with caplog.at_level(logging.WARNING):
+        opt.step()
+    assert not torch.isfinite(norm) and "the step was skipped" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(before, trainable(model)))
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap_next_step", "step"])
 def test_small_parameters_reach_the_worker_in_batches(overlap, monkeypatch):
     """Parameters are handed to the host worker in jobs of at least BATCH_NUMEL elements

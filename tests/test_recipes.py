@@ -122,14 +122,16 @@ def test_gradient_accumulation_matches_larger_batch(straight_runs, workdir, tmp_
     torch.testing.assert_close(torch.tensor(_losses(out)), torch.tensor(_losses(straight)), rtol=1e-4, atol=1e-5)
 
 
-def test_overlapped_updates_match_updates_after_backward(workdir, tmp_path):
-    """offload_gradients without clipping starts updates during backward: losses equal the plain order's."""
+@pytest.mark.parametrize("clip", ["null", "0.5"], ids=["no-clipping", "clipping"])
+def test_overlapped_updates_match_updates_after_backward(workdir, tmp_path, clip):
+    """offload_gradients starts updates during backward (without clipping), or scales the
+    gradients and takes their norms during it (with clipping): losses equal the plain order's."""
     runs = {}
     for offload_grads in (False, True):
         out = tmp_path / f"offload_{offload_grads}"
         _tune_run(
             f"offload_plugin/recipes/{RECIPE['full']}", "full", workdir, out,
-            "batch_size=2", "gradient_accumulation_steps=2", "clip_grad_norm=null",
+            "batch_size=2", "gradient_accumulation_steps=2", f"clip_grad_norm={clip}",
             "optimizer.fused=True", f"optimizer.offload_gradients={offload_grads}",
         )  # fmt: skip
         runs[offload_grads] = _losses(out)
