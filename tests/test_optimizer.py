@@ -368,6 +368,24 @@ def test_clipped_step_announced_with_overlap_next_step_is_exact(dtype, master_we
     assert opt._clip_coef is None and opt._prenorm is None
 
 
+def test_clipping_announced_with_mixed_dtypes_sums_norms_in_torchs_order():
+    """fp32 and bf16 parameters interleaved: get_total_norm stacks the norms grouped by
+    dtype, and the sum of the precomputed norms must follow that order to the bit."""
+    def mixed():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+        m[2].to(torch.bfloat16)
+        m[2].register_forward_pre_hook(lambda mod, args: (args[0].to(torch.bfloat16),))
+        m[2].register_forward_hook(lambda mod, args, out: out.float())
+        return m
+
+    models = [mixed(), mixed()]
+    opts = [offload(m, offload_gradients=True, lr=1e-2, fused=True) for m in models]
+    norms = [_clipped_steps(m, o, 3, 2, 0.05, announce=a) for m, o, a in zip(models, opts, (False, True))]
+    assert [n.item() for n in norms[1]] == [n.item() for n in norms[0]]
+    assert_same_params(models[0], models[1], exact=True)
+
+
 def test_a_second_clip_after_an_announced_one_sees_clipped_gradients():
     ref_model, model = twins()
     ref = offload(ref_model, offload_gradients=True, lr=1e-2)
