@@ -572,6 +572,11 @@ class CPUOffloadOptimizer(Optimizer):
         ranks clip by the same coefficient, as torch's ``clip_grad_norm_`` over the model
         would; every rank must call it.
 
+        After ``overlap_next_step(clipping=True)`` (2-norm, ``foreach=None``) it adds up the
+        norms taken during backward, and each update job multiplies its gradient by the
+        coefficient before updating (anything else that reads the gradients first gets
+        them multiplied): the same values as clipping here.
+
         Returns:
             torch.Tensor: the total norm over ALL trainable parameters before clipping (on
             the host when gradients are offloaded); a plain tensor, the global norm, also
