@@ -17,12 +17,18 @@ for several worker thread counts. Prints G params/s per case.
 
 import argparse
 import threading
-import time
 
 import torch
 
+from host_update_rate import _in_thread, _timed  # bench/ is on sys.path when run as a script
 from offload_plugin import native_adam
 from offload_plugin.grad_checks import all_finite
+
+
+def _on_worker(fn, threads):
+    """Seconds for one call of fn (after one warm-up call) on a fresh thread with its own
+    intra-op thread count, as the host worker runs."""
+    return _in_thread(lambda: _timed(fn, 1), threads)
 
 
 def _update_pass(kernel, tensors, threads, check):
@@ -32,22 +38,6 @@ def _update_pass(kernel, tensors, threads, check):
         kernel.step(weight, grad, m, v, None, lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.01,
                     eps=1e-8, step=2.0, adamw=True, maximize=False, grad_scale=1e-4,
                     num_threads=threads)
-
-
-def _on_worker(fn, threads):
-    out = {}
-
-    def run():
-        torch.set_num_threads(threads)
-        fn()  # warm: page touch, thread pool
-        t0 = time.perf_counter()
-        fn()
-        out["s"] = time.perf_counter() - t0
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    return out["s"]
 
 
 class Load:

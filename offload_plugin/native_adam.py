@@ -283,8 +283,7 @@ def finite(t: torch.Tensor) -> Optional[bool]:
     if (native is None or not native.can_check or t.device.type != "cpu"
             or t.dtype not in _CHECKED or not t.is_contiguous()):
         return None
-    return t.numel() == 0 or not native._nonfinite(
-        t.data_ptr(), t.numel(), t.element_size(), torch.get_num_threads())
+    return native.finite(t, torch.get_num_threads())
 
 
 def _many_matches_step(native: NativeAdam) -> Optional[str]:
