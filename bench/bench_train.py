@@ -95,8 +95,25 @@ def _bnb(model, trainable, args):
     return bnb.optim.PagedAdamW8bit(trainable, lr=LR)
 
 
+class _NoUpdate:
+    """The floor for peak GPU memory: every gradient is freed as soon as backward has made
+    it and nothing is updated. Peak memory above this run's is what an optimizer's
+    gradients and state add (the issue's memory target compares that with GPU AdamW's)."""
+
+    def __init__(self, params):
+        drop = lambda p: setattr(p, "grad", None)  # noqa: E731
+        self._hooks = [p.register_post_accumulate_grad_hook(drop) for p in params]
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+
 # name -> factory(model, trainable_params, args). One line per mode.
 OPTIMIZERS = {
+    "no_update": lambda m, t, a: _NoUpdate(t),
     "gpu_adamw": lambda m, t, a: torch.optim.AdamW(t, lr=LR, fused=True),
     "offload": lambda m, t, a: _ours(m, t, a),
     "offload_grads": lambda m, t, a: _ours(m, t, a, offload_gradients=True),
@@ -227,17 +244,20 @@ def run_single(args, name):
                                    if args.job == "full" and args.grad_accum > 1 else ""))
 
         n_tokens = mb * args.seq_len * args.grad_accum
-        # Ours with offloaded gradients and no clipping: updates start during the last
-        # backward (exact; the optimizer applies 1/num_tokens itself), as our recipes do.
-        # delayed_update: weights return during the last backward, clipping or not.
+        # Ours with offloaded gradients, as our recipes do (recipe_utils.overlap_last_backward):
+        # without clipping, updates start during the last backward (exact; the optimizer
+        # applies 1/num_tokens itself); with clipping, gradients are scaled and normed
+        # there, and the updates start at step(); delayed_update: weights return during
+        # the last backward.
         delayed = is_ours and opt.delayed_update
-        overlap = is_ours and opt.offload_gradients and (not args.clip_grad_norm or delayed)
+        overlap = is_ours and opt.offload_gradients
+        from offload_plugin.recipe_utils import overlap_last_backward
 
         def forward_backward(overlap=overlap):
             total = torch.zeros((), device=dev)
             for i, tokens in enumerate(batches):
                 if overlap and i == len(batches) - 1:
-                    opt.overlap_next_step(grad_scale=1.0 / n_tokens)
+                    overlap_last_backward(opt, torch.tensor(n_tokens), args.clip_grad_norm)
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]
                 logits = model(inputs)
                 loss = loss_fn(logits, labels) * labels.numel()  # summed over tokens
@@ -260,6 +280,7 @@ def run_single(args, name):
 
         times, losses = [], []
         busy = [opt._worker.busy_s] if is_ours else []  # host worker's job seconds so far
+        waited = [opt._worker.waited_s] if is_ours else []  # ...spent waiting for copies
         for step in range(args.steps):
             sync(dev)
             t0 = time.perf_counter()
@@ -272,6 +293,7 @@ def run_single(args, name):
             losses.append(total.item() / args.tokens_per_step)
             if is_ours:
                 busy.append(opt._worker.busy_s)
+                waited.append(opt._worker.waited_s)
             print(f"[{name}] step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
                   file=sys.stderr, flush=True)
         timed = times[args.warmup:]
@@ -279,6 +301,7 @@ def run_single(args, name):
         res["tokens_per_s"] = args.tokens_per_step / res["step_s"]
         if busy:  # host work per timed step, to set against step_s: host-bound or stalled?
             res["host_busy_s"] = (busy[-1] - busy[args.warmup]) / len(timed)
+            res["host_wait_s"] = (waited[-1] - waited[args.warmup]) / len(timed)
 
         if args.measure_host_update and is_ours and not delayed:
             # The optimizer step alone: gradients in place, nothing else queued on the GPU.
@@ -379,12 +402,31 @@ COLUMNS = [
     column("setup s", "setup_s", 1),
     column("host update s", "host_update_s"),
     column("host busy s/step", "host_busy_s"),
+    column("of which waiting s", "host_wait_s"),
 ]
+
+
+def _added_memory(results, base):
+    """Peak GPU memory above the no_update run's (gradients and optimizer state), as a
+    column and as a fraction of ``base``'s; None without a no_update run."""
+    floor_run = next((r for r in results if r["optimizer"] == "no_update"), None)
+    if floor_run is None:
+        return None
+    floor = floor_run.get("peak_gpu_gib")  # None on CPU: the columns show "-"
+    added = lambda r: (r["peak_gpu_gib"] - floor  # noqa: E731
+                       if floor is not None and r.get("peak_gpu_gib") is not None else None)
+    base_added = added(base) if base else None
+
+    def share(r):
+        a = added(r)
+        return f"{100 * a / base_added:.1f}%" if a is not None and base_added else "-"
+    return [("added GiB", lambda r: _fmt(added(r), 2)), ("added / base", share)]
 
 
 def markdown_table(results, columns=COLUMNS, base_name="gpu_adamw"):
     """One row per optimizer; ratios are against ``base_name`` when it ran."""
     base = next((r for r in results if r["optimizer"] == base_name and "step_s" in r), {})
+    columns = list(columns) + (_added_memory(results, base) or [])
     heads = ["optimizer", *(h for h, _ in columns), f"step / {base_name}", f"peak / {base_name}"]
     rows = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in results:

@@ -12,10 +12,11 @@
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
 #                                   # GPU AdamW, FSDP2's CPUOffloadPolicy, ours (each rank its shard);
 #                                   # about 4-6 minutes, at most 7 (--time-budget)
-# Results: bench/results/*.json (copied to $OUT if set); logs under $OUT.
+# Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
 mkdir -p "$OUT"
+started=$(mktemp)  # results newer than this are this invocation's
 export PYTHONUNBUFFERED=1
 status=0
 bench() {  # name, args...
@@ -37,9 +38,9 @@ for stage in "$@"; do
         python3 bench/host_update_rate.py --numel $((1 << 28)) 2>&1 | tee "$OUT/host_update_rate.txt" ;;
     1b)
         bench llama3_2_1b-full-4096 --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
-            --measure-host-update --optimizers gpu_adamw,offload,offload_grads,offload_grads_delayed,offload_nomaster,offload_grads_nomaster,torchao,bnb_paged8bit
+            --measure-host-update --optimizers gpu_adamw,no_update,offload,offload_grads,offload_grads_delayed,offload_nomaster,offload_grads_nomaster,torchao,bnb_paged8bit
         bench llama3_2_1b-full-4096-clip --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
-            --clip-grad-norm 1.0 --optimizers gpu_adamw,offload_grads,offload_grads_delayed ;;
+            --clip-grad-norm 1.0 --measure-host-update --optimizers gpu_adamw,offload_grads,offload_grads_nomaster ;;
     qlora)
         bench llama3_1_8b-qlora-4096 --model llama3_1_8b --job qlora --tokens-per-step 4096 --seq-len 2048 \
             --optimizers gpu_adamw,offload_grads,torchao ;;
@@ -61,5 +62,5 @@ for stage in "$@"; do
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done
-cp bench/results/*.json "$OUT/" 2>/dev/null
+find bench/results -name '*.json' -newer "$started" -exec cp {} "$OUT/" \;
 exit $status

@@ -87,17 +87,17 @@ class DeviceShare:
     @torch.no_grad()
     def step(self, outer_groups: list[dict], grad_scale: Optional[float] = None) -> None:
         """Update the kept parameters that have a gradient; ``grad_scale`` multiplies each
-        gradient first (in the master's dtype, as the host update does)."""
+        gradient first (in the gradient's dtype, rounded as scale_grads would, as the host
+        update does)."""
         for outer, inner in zip(outer_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
         ready = [p for p in self.target if p.grad is not None]
         for p in ready:
             target = self.target[p]
+            if grad_scale is not None:
+                p.grad.mul_(grad_scale)
             if target is not p:
                 target.grad = p.grad.to(target.dtype)
-            # Scaled where the host update scales: after the upcast to the master's dtype.
-            if grad_scale is not None:
-                target.grad.mul_(grad_scale)
         try:
             self.optimizer.step()  # parameters without .grad are left alone
         finally:

@@ -111,6 +111,11 @@ class HostSlot:
     incoming: Optional[torch.Tensor] = None
     incoming_event: object = None
     incoming_pending: bool = False
+    # The gradient's minimum and maximum, taken on the device as it left (see
+    # CPUOffloadOptimizer._offload_grad): buffers on the device and the host, and whether
+    # the host copy describes what ``grad`` holds now.
+    extremes: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    extremes_current: bool = False
     # Held while adding ``incoming`` into ``grad``, which the host worker does during
     # backward and the training thread may do too (whichever comes first).
     settle_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -99,10 +99,10 @@ def _fused_adam_update(
     for a in range(start, master.numel(), CHUNK_NUMEL):
         b = a + CHUNK_NUMEL
         g = grad[a:b]
+        if grad_scale is not None:
+            g = g * grad_scale  # in the gradient's dtype, rounded as scale_grads would
         if g.dtype != master.dtype:
             g = g.to(master.dtype)
-        if grad_scale is not None:
-            g = g * grad_scale
         kernel(
             [master[a:b]], [g], [m[a:b]], [v[a:b]], [vmax[a:b]] if amsgrad else [],
             [state["step"]],
@@ -186,10 +186,10 @@ def update_slots(
         return
     for slot in generic:
         g = slot.grad
+        if grad_scale is not None:
+            g = g * grad_scale  # in the gradient's dtype, rounded as scale_grads would
         if g.dtype != slot.master.dtype:
             g = g.to(slot.master.dtype)
-        if grad_scale is not None:
-            g = g * grad_scale
         slot.master.grad = g
     try:
         # Parameters whose .grad is None are skipped by torch's optimizers, so one call

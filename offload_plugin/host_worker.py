@@ -67,6 +67,7 @@ class HostWorker:
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         self.busy_s = 0.0  # seconds spent in jobs so far (benchmarks compare it to step time)
+        self.waited_s = 0.0  # of which update jobs waited for their gradients' copies
 
     def submit(self, job: Callable[[], None], urgent: bool = False) -> None:
         """Queue ``job``; an ``urgent`` one runs before every queued non-urgent job."""

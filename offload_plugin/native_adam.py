@@ -371,7 +371,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _matches_torch(native: NativeAdam, dtype: torch.dtype) -> Optional[str]:
     """Run native and torch side by side for weights of ``dtype``; None if bit-identical,
     else what differed. torch's reference is what the host update does without the kernel:
-    the gradient upcast (fp32 masters) or scaled in bf16, then torch's fused kernel."""
+    the gradient scaled in bf16 (as scale_grads would), upcast for fp32 masters, then
+    torch's fused kernel."""
     gen = torch.Generator().manual_seed(0)
     n = ALIGN_BF16 * 1031
     for s in _SETTINGS:
@@ -382,9 +383,8 @@ def _matches_torch(native: NativeAdam, dtype: torch.dtype) -> Optional[str]:
         out = torch.empty(n, dtype=torch.bfloat16) if dtype == torch.float32 else None
         for k in range(1, 4):
             grad = (torch.randn(n, generator=gen) * torch.logspace(-8, 1, n)).to(torch.bfloat16)
-            g = grad.to(dtype)
-            if s["grad_scale"] is not None:
-                g = g * s["grad_scale"]
+            g = grad * s["grad_scale"] if s["grad_scale"] is not None else grad  # rounds in bf16
+            g = g.to(dtype)
             step_t += 1
             kernel = torch._fused_adamw_ if s["adamw"] else torch._fused_adam_
             kernel([ref_master], [g], [ref_m], [ref_v], [], [step_t], amsgrad=False,

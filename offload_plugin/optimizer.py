@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import logging
 import threading
+import time
 from collections.abc import MutableMapping
 from functools import partial
 from itertools import chain
@@ -27,7 +28,7 @@ from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.host_buffers import HostArena, HostSlot, allocate_landing, build_slots
 from offload_plugin.host_update import update_slots
 from offload_plugin.host_worker import HostWorker, JobBatch
-from offload_plugin.transfer import Transfers
+from offload_plugin.transfer import Transfers, min_max_into
 
 __all__ = ["CPUOffloadOptimizer"]
 
@@ -277,6 +278,8 @@ class CPUOffloadOptimizer(Optimizer):
         # backward is the last before step(), and a grad_scale to apply before step().
         self._pending: Optional[dict] = None
         self._final_backward = False
+        # ids of the parameters whose gradient the announced backward has delivered.
+        self._announced_seen: set[int] = set()
         self._deferred_scale: Optional[float] = None
         # overlap_next_step(clipping=True): each gradient is scaled and its norm taken on
         # the host worker during backward; clip_grad_norm_ sums the norms and leaves the
@@ -424,7 +427,17 @@ class CPUOffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------ gradients
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """Backward hook (offload_gradients=True)."""
-        if self.accumulate_on_device and not self.overlapping:
+        if self.overlapping:
+            if id(param) in self._announced_seen:
+                # Its update (or its norm, or its weight's return) may already be under way.
+                raise RuntimeError(
+                    "CPUOffloadOptimizer: a second backward after overlap_next_step() reached "
+                    "a parameter that already has its gradient for this step. Call "
+                    "overlap_next_step() right before the LAST backward of the accumulation "
+                    "window, then step()."
+                )
+            self._announced_seen.add(id(param))
+        elif self.accumulate_on_device:
             return  # not the announced last backward: autograd adds the next one on the device
         self._offload_grad(param)
 
@@ -433,15 +446,27 @@ class CPUOffloadOptimizer(Optimizer):
         slot = self._slot_of[param]
         _check_dense(param.grad)
         grad = local_part(param.grad)
+        prenorm_done = False
         if not slot.has_grad:
-            slot.grad_event = self._transfers.to_host([(grad, slot.grad)])
-            slot.has_grad = True
+            # Work the host would do with a pass over each gradient in host memory, where
+            # the update is bound by memory bandwidth, is done by the device on the way out
+            # (microseconds there): an update that starts now needs an inf/NaN verdict (the
+            # gradient's extremes come along); a clipped step needs each gradient scaled
+            # and its norm (kept on the device, where torch's clip_grad_norm_ takes them).
+            before, check = None, self._overlap is not None and self._overlap["check_each"]
+            if check and grad.numel() > 0:
+                before = partial(min_max_into, *self._extremes_of(slot, grad))
+            elif self._prenorm is not None:
+                before, prenorm_done = partial(self._scale_and_norm_on_device, self._prenorm, slot), True
+            slot.grad_event = self._transfers.to_host([(grad, slot.grad)], before=before)
+            slot.has_grad, slot.extremes_current = True, check and grad.numel() > 0
         else:
             # Gradient accumulation: land the new gradient beside the running sum; the host
             # worker adds it (in the gradient's dtype, as autograd would on the device)
             # while this thread goes on launching the backward. The previous micro-batch's
             # addition is normally done by now; if not, this thread does it first.
             self._settle(slot)
+            slot.extremes_current = False  # they describe one micro-batch, not the sum
             if slot.incoming is None:
                 self._give_landing_buffers()
             slot.incoming_event = self._transfers.to_host([(grad, slot.incoming)])
@@ -451,10 +476,24 @@ class CPUOffloadOptimizer(Optimizer):
         param.grad = None
         if self._overlap is not None:
             self._submit_update(slot)
-        elif self._prenorm is not None:
+        elif self._prenorm is not None and not prenorm_done:  # an accumulated sum: on the host
             self._prenorm["batch"].add(slot, slot.grad.numel())
         elif self._final_backward:
             self._release_for_push(slot)
+
+    def _extremes_of(self, slot: HostSlot, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two-element buffers (device, host) for ``slot``'s gradient extremes, made once."""
+        if slot.extremes is None or slot.extremes[0].dtype != grad.dtype:
+            pin = self.pin_memory and self._transfers.is_async
+            slot.extremes = (torch.empty(2, dtype=grad.dtype, device=grad.device),
+                             torch.empty(2, dtype=grad.dtype, pin_memory=pin))
+        return slot.extremes
+
+    def _landed_grad_finite(self, slot: HostSlot) -> bool:
+        """Whether ``slot``'s settled host gradient is free of inf/NaN."""
+        if slot.extremes_current:  # inf and NaN propagate to the minimum or maximum
+            return all_finite([slot.extremes[1]])
+        return all_finite([slot.grad])
 
     def _give_landing_buffers(self) -> None:
         """Landing buffers for accumulated gradients, allocated at the first accumulation.
@@ -589,9 +628,10 @@ class CPUOffloadOptimizer(Optimizer):
         grads = self._grads_in_place("clip_grad_norm_()")
         if self._prenorm is not None and float(norm_type) == 2.0 and foreach is None:
             total = self._total_of_prenorms(grads, error_if_nonfinite)
-            # Each update job multiplies its gradient by this first, as the loop below
-            # would here: the same values, without a pass over all gradients in between.
-            self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            # Each update job multiplies its gradient by this, as the loop below would
+            # here: the same values, without a pass over all gradients in between.
+            self._clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0).cpu()
+            total = total.cpu()
             self._finite.record((~torch.isfinite(total)).float(), grads)
             self._scaled_since_zero_grad = True
             return total
@@ -619,7 +659,9 @@ class CPUOffloadOptimizer(Optimizer):
                 if g not in norms:  # not seen by a worker job: scale and norm it now
                     self._scale_and_norm_grad(self._prenorm, g)
                 ordered.append(norms[g])
-        total = torch.linalg.vector_norm(torch.stack([n.to(grads[0].device) for n in ordered]), 2.0)
+        # Where torch would add them up: the parameters' device, if the norms were taken there.
+        where = next((n.device for n in ordered if n.device.type != "cpu"), grads[0].device)
+        total = torch.linalg.vector_norm(torch.stack([n.to(where) for n in ordered]), 2.0)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(
                 "The total norm of order 2.0 for gradients from `parameters` is non-finite, so "
@@ -634,6 +676,16 @@ class CPUOffloadOptimizer(Optimizer):
         for slot in slots:
             self._settle(slot)
             self._scale_and_norm_grad(pre, slot.grad)
+
+    @staticmethod
+    def _scale_and_norm_on_device(pre: dict, slot: HostSlot, grad: torch.Tensor) -> None:
+        """Scale a gradient on its way to the host as _scale() would on its device, and
+        take its norm there (kept under the host copy's key, read by _total_of_prenorms)."""
+        if pre["grad_scale"] is not None:
+            if grad.device not in pre["device_scale"]:
+                pre["device_scale"][grad.device] = pre["scale"].to(grad.device)
+            grad.mul_(pre["device_scale"][grad.device])  # fp32 multiply, one rounding
+        pre["norms"][slot.grad] = torch._foreach_norm([grad], 2.0)[0]
 
     @staticmethod
     def _scale_and_norm_grad(pre: dict, grad: torch.Tensor) -> None:
@@ -659,6 +711,7 @@ class CPUOffloadOptimizer(Optimizer):
                 Transfers.wait(slot.incoming_event)
                 slot.has_grad, slot.incoming_pending = False, False
                 slot.grad_event = slot.incoming_event = None
+                slot.extremes_current = False
         self._scaled_since_zero_grad = False
 
     # ------------------------------------------------------------------ step
@@ -689,6 +742,7 @@ class CPUOffloadOptimizer(Optimizer):
                 "overlap_next_step() needs CPUOffloadOptimizer(offload_gradients=True)."
             )
         self._scaled_since_zero_grad = True
+        self._announced_seen = set()
         if self.delayed_update:
             # The update itself already runs in the background; this backward only tells
             # when each parameter is free to receive its updated weight. Clipping is fine.
@@ -706,7 +760,7 @@ class CPUOffloadOptimizer(Optimizer):
             return
         if clipping:
             self._final_backward = True
-            pre = {"grad_scale": grad_scale, "found": torch.zeros(1), "norms": {},
+            pre = {"grad_scale": grad_scale, "found": torch.zeros(1), "norms": {}, "device_scale": {},
                    "scale": torch.tensor([grad_scale if grad_scale is not None else 1.0])}
             pre["batch"] = JobBatch(self._worker, partial(self._scale_and_norm, pre))
             self._prenorm = pre
@@ -754,19 +808,26 @@ class CPUOffloadOptimizer(Optimizer):
     def _update_batch(self, plan: dict, slots: list[HostSlot]) -> None:
         """Worker job: update ``slots`` and send their weights to the device."""
         finite = []
+        start = time.perf_counter()
         for slot in slots:
             self._settle(slot)
+            self._worker.waited_s += time.perf_counter() - start
+            start = time.perf_counter()
             # Updates that overlap backward cannot wait for a verdict on all gradients:
             # each checks its own before touching the master weight or the state.
-            if plan["check_each"] and not all_finite([slot.grad]):
+            if plan["check_each"] and not self._landed_grad_finite(slot):
                 plan["nonfinite"].append(slot)
             else:
                 finite.append(slot)
         if finite:
+            grad_scale = plan["grad_scale"]
             if plan["clip_coef"] is not None:  # clip_grad_norm_ left the multiply to us
-                for slot in finite:
-                    slot.grad.mul_(plan["clip_coef"])
-            update_slots(self._host_optimizer, plan["groups"], finite, plan["grad_scale"])
+                if grad_scale is None:  # the update multiplies as mul_ would: no extra pass
+                    grad_scale = float(plan["clip_coef"])
+                else:
+                    for slot in finite:
+                        slot.grad.mul_(plan["clip_coef"])
+            update_slots(self._host_optimizer, plan["groups"], finite, grad_scale)
             self._last_push = self._transfers.to_device(
                 [(slot.weight_source(), slot.device_weight()) for slot in finite]
             )

@@ -11,11 +11,11 @@ same code path, minus the overlap, which is what CPU-only CI exercises.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["Transfers"]
+__all__ = ["Transfers", "min_max_into"]
 
 
 class Transfers:
@@ -34,18 +34,31 @@ class Transfers:
     def _compute_stream(self):
         return torch.cuda.current_stream(self.device)
 
-    def to_host(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Optional[object]:
+    def to_host(
+        self,
+        pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
+        before: Optional[Callable[[torch.Tensor], None]] = None,
+    ) -> Optional[object]:
         """Copy each ``(device_src, host_dst)``; returns an event to wait on (None if synchronous).
 
         The device tensors may be freed by the caller right away: their memory is not
         reused before the copy has read it.
+
+        ``before(first_src)`` runs first, in the copies' stream order: device work on the
+        way out (a check, a scale, a norm) that the host would otherwise do with a pass
+        over host memory.
         """
+        pairs = list(pairs)
         if not self.is_async:
+            if before is not None:
+                before(pairs[0][0])
             for src, dst in pairs:
                 dst.copy_(src)
             return None
         self.d2h.wait_stream(self._compute_stream())
         with torch.cuda.stream(self.d2h):
+            if before is not None:
+                before(pairs[0][0])
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
                 # The caching allocator would otherwise hand src's memory to the compute
@@ -84,3 +97,11 @@ class Transfers:
         """Block the host until ``event`` (from to_host/to_device) has completed."""
         if event is not None:
             event.synchronize()
+
+
+def min_max_into(device_buf: torch.Tensor, host_buf: torch.Tensor, src: torch.Tensor) -> None:
+    """Put ``src``'s minimum and maximum in ``device_buf`` and start their copy to
+    ``host_buf`` (two elements each, ``src``'s dtype): inf and NaN propagate to them, so
+    the host can tell whether ``src`` is finite without reading it."""
+    torch.aminmax(src, out=(device_buf[0], device_buf[1]))  # one read-only pass, no temporaries
+    host_buf.copy_(device_buf, non_blocking=device_buf.is_cuda)

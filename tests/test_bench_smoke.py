@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OPTIMIZERS = ["gpu_adamw", "offload", "offload_grads", "offload_grads_delayed"]
+OPTIMIZERS = ["gpu_adamw", "no_update", "offload", "offload_grads", "offload_grads_delayed"]
 
 
 def test_bench_train_tiny_cpu_smoke(tmp_path):
@@ -30,9 +30,25 @@ def test_bench_train_tiny_cpu_smoke(tmp_path):
         assert len(r["losses"]) == 3
     # Same model, same data: the first loss (before any update) is identical for all.
     assert len({r["losses"][0] for r in results.values()}) == 1
+    # The memory floor run updates nothing: the same batch gives the same loss every step.
+    assert len(set(results["no_update"]["losses"])) == 1
+    assert len(set(results["offload"]["losses"])) == 3
+    assert "| added GiB | added / base |" in proc.stdout  # the memory-target columns
     assert results["offload"]["host_update_s"] > 0
     assert run["cpu_adamw_reference"]["gparams_s"] > 0
     assert "| offload |" in proc.stdout
+
+
+def test_added_memory_columns_compare_with_the_floor_run():
+    """Peak memory above the no_update run, and that as a share of GPU AdamW's."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_train
+
+    results = [{"optimizer": name, "step_s": 1.0, "tokens_per_s": 1.0, "peak_gpu_gib": peak}
+               for name, peak in [("gpu_adamw", 50.0), ("no_update", 30.0), ("offload_grads", 31.0)]]
+    rows = bench_train.markdown_table(results).splitlines()
+    assert rows[0].endswith("| added GiB | added / base | step / gpu_adamw | peak / gpu_adamw |")
+    assert "| 20.00 | 100.0% |" in rows[2] and "| 1.00 | 5.0% |" in rows[4]
 
 
 def test_host_update_rate_and_report_run(tmp_path):

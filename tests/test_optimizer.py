@@ -316,6 +316,30 @@ def test_overlap_next_step_matches_scale_then_step(name, monkeypatch):
     assert_same_params(ref_model, model, exact=True)
 
 
+@pytest.mark.parametrize("master_weights", [True, False], ids=["masters", "no-masters"])
+def test_overlap_next_step_with_bf16_gradients_rounds_the_scale_as_scale_grads(master_weights, monkeypatch):
+    """bf16 parameters: the update's grad_scale gives the bf16 gradient scale_grads would
+    leave (scaled, then rounded to bf16), also when fp32 masters take it afterwards."""
+    monkeypatch.setattr(host_worker, "BATCH_NUMEL", 0)
+    kwargs = dict(lr=1e-2, weight_decay=0.1, fused=True, master_weights=master_weights)
+    ref_model, model = twins(dtype=torch.bfloat16)
+    ref = offload(ref_model, offload_gradients=True, **kwargs)
+    opt = offload(model, offload_gradients=True, **kwargs)
+    for step in range(3):
+        x, y = batch(step, 0, "cpu")
+        ((ref_model(x.bfloat16()) - y.bfloat16()) ** 2).sum().backward()
+        ref.scale_grads(1 / 24)
+        ref.step()
+        ref.zero_grad()
+        opt.overlap_next_step(grad_scale=1 / 24)
+        ((model(x.bfloat16()) - y.bfloat16()) ** 2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert_same_params(ref_model, model, exact=True)
+    for p, rp in zip(trainable(model), trainable(ref_model)):
+        torch.testing.assert_close(opt._slot_of[p].master, ref._slot_of[rp].master, rtol=0, atol=0)
+
+
 def _clipped_steps(model, opt, steps, accum, clip, announce, second_clip=None):
     """torchtune's order with clipping. ``announce``: overlap_next_step(clipping=True)
     before the last backward (the gradients are scaled and normed as they arrive) instead

@@ -30,14 +30,14 @@ def _assert_unchanged(opt, snap):
             torch.testing.assert_close(now["state"][index][key], value, rtol=0, atol=0)
 
 
-def _poison_next_backward(model):
-    """Make the next backward produce an inf in the first hidden layer's weight gradient."""
+def _poison_next_backward(model, value=float("inf")):
+    """Make the next backward put ``value`` in the first hidden layer's weight gradient."""
     handle = None
 
     def hook(grad):
         handle.remove()
         grad = grad.clone()
-        grad[0, 0] = float("inf")
+        grad[0, 0] = value
         return grad
 
     handle = model[2].weight.register_hook(hook)
@@ -77,22 +77,49 @@ def test_nonfinite_raise_policy_changes_nothing():
     _assert_unchanged(opt, snap)
 
 
-def test_nonfinite_during_overlapped_updates_spares_that_parameter(caplog):
-    """With updates overlapping backward, the parameter with the inf keeps its master and state."""
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_nonfinite_during_overlapped_updates_spares_that_parameter(value, caplog, monkeypatch):
+    """With updates overlapping backward, the parameter with the inf keeps its master and
+    state; the verdicts come from the extremes taken on the device, not a host pass."""
+    scanned = []
+    real = grad_checks.all_finite
+    monkeypatch.setattr(optimizer_module, "all_finite", lambda ts: scanned.extend(ts) or real(ts))
     model = make_model()
     opt = offload(model, lr=1e-2, offload_gradients=True)
     train(model, opt, 1, via_optimizer=True)
     bad = model[2].weight
     master, state = opt._slot_of[bad].master.clone(), copy.deepcopy(opt.state[bad])
-    _poison_next_backward(model)
+    _poison_next_backward(model, value)
     opt.overlap_next_step(grad_scale=0.1)
     x, y = batch(5, 0, "cpu")
+    scanned.clear()
     with caplog.at_level(logging.WARNING, logger="offload_plugin"):
         ((model(x) - y) ** 2).sum().backward()
         opt.step()
     assert "1 parameters had an inf or NaN gradient" in caplog.text
     torch.testing.assert_close(opt._slot_of[bad].master, master, rtol=0, atol=0)
     torch.testing.assert_close(opt.state[bad]["exp_avg"], state["exp_avg"], rtol=0, atol=0)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert len(scanned) == 4 and all(t.numel() == 2 for t in scanned)
+
+
+def test_overlapped_update_checks_the_accumulated_sum_not_the_last_micro_batch(caplog):
+    """An inf in an earlier micro-batch is in the host sum although the last micro-batch's
+    gradient (whose extremes the device took) is finite: that parameter is still spared."""
+    model = make_model()
+    opt = offload(model, lr=1e-2, offload_gradients=True)
+    train(model, opt, 1, via_optimizer=True)
+    bad = model[2].weight
+    master = opt._slot_of[bad].master.clone()
+    _poison_next_backward(model)
+    x, y = batch(5, 0, "cpu")
+    ((model(x) - y) ** 2).sum().backward()  # first micro-batch: carries the inf
+    opt.overlap_next_step(grad_scale=0.1)
+    with caplog.at_level(logging.WARNING, logger="offload_plugin"):
+        ((model(x) - y) ** 2).sum().backward()
+        opt.step()
+    assert "1 parameters had an inf or NaN gradient" in caplog.text
+    torch.testing.assert_close(opt._slot_of[bad].master, master, rtol=0, atol=0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -355,3 +382,18 @@ def test_block_span_covers_views_with_empty_ends():
     assert span.numel() == 8 and span.data_ptr() == views[1].data_ptr()
     span.copy_(torch.arange(8.0))
     assert views[1].tolist() == [0.0, 1.0, 2.0] and views[3].tolist() == [3.0, 4.0, 5.0, 6.0, 7.0]
+
+
+@pytest.mark.parametrize("mode", ["overlap", "clipping", "delayed"])
+def test_second_backward_after_announcing_the_last_is_refused(mode):
+    """overlap_next_step() announces the LAST backward: updates (or norms, or weight
+    returns) start from its gradients, so another backward before step() is an error,
+    not a silently doubled update."""
+    model = make_model()
+    opt = offload(model, lr=1e-2, offload_gradients=True, delayed_update=mode == "delayed")
+    train(model, opt, 1, via_optimizer=True)
+    x, y = batch(5, 0, "cpu")
+    opt.overlap_next_step(grad_scale=0.1, clipping=mode == "clipping")
+    ((model(x) - y) ** 2).sum().backward()
+    with pytest.raises(RuntimeError, match="LAST backward"):
+        ((model(x) - y) ** 2).sum().backward()

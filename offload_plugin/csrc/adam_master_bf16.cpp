@@ -1,8 +1,9 @@
 // One pass of Adam/AdamW over fp32 master weights with bf16 gradients, writing the
 // updated weight back in bf16: the work torch does in three passes (upcast the gradient,
 // torch._fused_adamw_, downcast the master), done while each element is in registers.
-// A second entry point updates bf16 weights and moments in place (no master weights),
-// with the gradient scaled in bf16 first, as `g * scale` on a bf16 tensor rounds it.
+// A second entry point updates bf16 weights and moments in place (no master weights).
+// Both can scale the gradient first, rounding it to bf16 as `g * scale` on a bf16 tensor
+// (torchtune's scale_grads) does.
 // A third adds one bf16 tensor into another (gradient accumulation), as torch's add_ does.
 // A fourth tells whether a bf16 or fp32 tensor holds an inf or a NaN. The update also
 // comes in a form that takes many tensors in one call.
@@ -77,8 +78,8 @@ void update_range(S* __restrict master, const uint16_t* __restrict grad,
     float p = load(master, i);
     float g = bf16_to_float(grad[i]);
     if (kScale) {
-      g = g * scale;
-      if (kBf16State) g = bf16_to_float(float_to_bf16(g));  // the scaled bf16 gradient
+      // The scaled bf16 gradient, as `g * scale` on a bf16 tensor (scale_grads) rounds it.
+      g = bf16_to_float(float_to_bf16(g * scale));
     }
     if (kMaximize) g = g * -1.0f;
     if (kDecay) {
