@@ -257,7 +257,8 @@ def run_single(args, name):
             total = torch.zeros((), device=dev)
             for i, tokens in enumerate(batches):
                 if overlap and i == len(batches) - 1:
-                    overlap_last_backward(opt, torch.tensor(n_tokens), args.clip_grad_norm)
+                    overlap_last_backward(opt, torch.tensor(n_tokens), args.clip_grad_norm,
+                                          early_forward=args.early_forward)
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]
                 logits = model(inputs)
                 loss = loss_fn(logits, labels) * labels.numel()  # summed over tokens
@@ -288,6 +289,8 @@ def run_single(args, name):
             scale_clip()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if is_ours and step == args.steps - 1:
+                opt.finish_step()  # early_forward: the last step's tail counts too
             sync(dev)
             times.append(time.perf_counter() - t0)
             losses.append(total.item() / args.tokens_per_step)
@@ -539,6 +542,9 @@ def parse_args(argv=None):
     p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                    help=f"comma-separated, from: {', '.join(OPTIMIZERS)}")
     p.add_argument("--clip-grad-norm", type=float, default=None)
+    p.add_argument("--no-early-forward", dest="early_forward", action="store_false",
+                   help="ours: step() waits for the whole host update (default: as our recipes, "
+                        "step() returns early and each module's forward waits for its weights)")
     p.add_argument("--measure-host-update", action="store_true",
                    help="also time our optimizer's step() alone (gradients in place)")
     p.add_argument("--seed", type=int, default=0)

@@ -116,6 +116,9 @@ class HostSlot:
     # the host copy describes what ``grad`` holds now.
     extremes: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     extremes_current: bool = False
+    # Position among the optimizer's offloaded parameters (their order: for torchtune's
+    # models, the order in which the forward uses them).
+    order: int = -1
     # Held while adding ``incoming`` into ``grad``, which the host worker does during
     # backward and the training thread may do too (whichever comes first).
     settle_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -79,6 +79,11 @@ class HostWorker:
             _LIVE_WORKERS.add(self)
         self._jobs.put((_URGENT if urgent else _NORMAL, next(self._order), job))
 
+    @property
+    def failed(self) -> bool:
+        """Whether a job has failed (drain() raises its error)."""
+        return self._error is not None
+
     def close(self) -> None:
         """Finish the submitted jobs and stop the thread (a later submit starts a new one)."""
         thread, self._thread = self._thread, None

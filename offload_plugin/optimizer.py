@@ -27,6 +27,7 @@ from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.host_buffers import HostArena, HostSlot, allocate_landing, build_slots
 from offload_plugin.host_update import update_slots
+from offload_plugin import host_worker
 from offload_plugin.host_worker import HostWorker, JobBatch
 from offload_plugin.transfer import Transfers, min_max_into
 
@@ -280,6 +281,10 @@ class CPUOffloadOptimizer(Optimizer):
         self._final_backward = False
         # ids of the parameters whose gradient the announced backward has delivered.
         self._announced_seen: set[int] = set()
+        # overlap_next_step(early_forward=True): asked for the coming step(); then the
+        # step that returned before its updates finished (see _finish_early_step).
+        self._early_forward = False
+        self._early: Optional[dict] = None
         self._deferred_scale: Optional[float] = None
         # overlap_next_step(clipping=True): each gradient is scaled and its norm taken on
         # the host worker during backward; clip_grad_norm_ sums the norms and leaves the
@@ -315,6 +320,8 @@ class CPUOffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group as torch's optimizers do, dropping its frozen parameters first."""
+        if getattr(self, "_early", None) is not None:  # (torch's __init__ calls this early)
+            self._finish_early_step()
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
         group = dict(param_group)
@@ -389,6 +396,7 @@ class CPUOffloadOptimizer(Optimizer):
         if self._device_share is not None:  # one group per outer group, even if empty
             self._device_share.add_group({k: v for k, v in group.items() if k != "params"}, on_device)
         for slot in slots:
+            slot.order = len(self._slot_list)  # the parameter order: forward order for torchtune
             self._slot_list.append(slot)
             self._slot_of[slot.param] = slot
             if self.offload_gradients:
@@ -427,6 +435,8 @@ class CPUOffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------ gradients
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """Backward hook (offload_gradients=True)."""
+        if self._early is not None:  # a parameter the forward did not use: its update may run
+            self._finish_early_step()
         if self.overlapping:
             if id(param) in self._announced_seen:
                 # Its update (or its norm, or its weight's return) may already be under way.
@@ -537,6 +547,7 @@ class CPUOffloadOptimizer(Optimizer):
 
     def _grads_in_place(self, action: str) -> list[torch.Tensor]:
         """The gradients scaling and clipping act on: device ``.grad`` or offloaded copies."""
+        self._finish_early_step()
         if self._overlap is not None:
             raise RuntimeError(
                 f"{action} after overlap_next_step(): the updates already use the "
@@ -695,7 +706,7 @@ class CPUOffloadOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
-        if not self.delayed_update:  # its running update reads its own gradient buffer
+        if not self.delayed_update and self._early is None:
             self._flush_updates()
             if self._prenorm is not None:
                 self._prenorm["batch"].flush()
@@ -703,6 +714,16 @@ class CPUOffloadOptimizer(Optimizer):
         self._prenorm, self._clip_coef = None, None
         super().zero_grad(set_to_none)
         self._finite.clear()
+        if self._early is not None:
+            # A step that returned early still reads its host gradients (and adds the last
+            # micro-batch's first): they are reset when it finishes, which is before the
+            # next gradient lands (the next forward waits for every update first).
+            self._early["zero_grad"] = True
+        else:
+            self._reset_host_grads()
+        self._scaled_since_zero_grad = False
+
+    def _reset_host_grads(self) -> None:
         for slot in self._slot_list:
             # Let in-flight copies land before their buffers count as free again. The lock:
             # with delayed_update the worker may be adding an accumulated gradient.
@@ -711,11 +732,11 @@ class CPUOffloadOptimizer(Optimizer):
                 Transfers.wait(slot.incoming_event)
                 slot.has_grad, slot.incoming_pending = False, False
                 slot.grad_event = slot.incoming_event = None
-                slot.extremes_current = False
-        self._scaled_since_zero_grad = False
 
     # ------------------------------------------------------------------ step
-    def overlap_next_step(self, grad_scale: Optional[float] = None, clipping: bool = False) -> None:
+    def overlap_next_step(
+        self, grad_scale: Optional[float] = None, clipping: bool = False, early_forward: bool = False
+    ) -> None:
         """Start each parameter's update as soon as the next backward delivers its gradient.
 
         Call it right before the last backward of an accumulation window, then call
@@ -732,6 +753,19 @@ class CPUOffloadOptimizer(Optimizer):
                 reaches the host, so ``clip_grad_norm_`` only sums the norms, and the
                 multiply by the clip coefficient happens in each parameter's update job.
                 Same results as scaling, clipping and stepping afterwards.
+            early_forward (bool): ``step()`` returns once the updates are queued; what is
+                left is updated in forward order, and each module's next forward waits
+                only for its own parameters' new weights (a forward pre-hook on every
+                module until all have arrived), so the next forward overlaps the end of
+                the host update. Same results, if (1) every parameter is first used in the
+                forward of the module it is registered on (true for torchtune's models;
+                not for ``nn.MultiheadAttention``, which reads ``out_proj.weight`` itself),
+                and (2) nothing reads the weights before that forward except after
+                :meth:`finish_step` (our recipes call it before saving). Errors and the
+                inf/NaN report of that step come from the next forward or the next call
+                that needs the step finished. Not with ``torch.compile``d modules (the
+                hook would break their graphs). Ignored with ``delayed_update`` and
+                sharded parameters.
 
         Raises:
             ValueError: without ``offload_gradients=True``, whose backward hooks are what
@@ -741,6 +775,8 @@ class CPUOffloadOptimizer(Optimizer):
             raise ValueError(
                 "overlap_next_step() needs CPUOffloadOptimizer(offload_gradients=True)."
             )
+        self._finish_early_step()
+        self._early_forward = bool(early_forward) and not self.delayed_update and not self._meshes
         self._scaled_since_zero_grad = True
         self._announced_seen = set()
         if self.delayed_update:
@@ -791,22 +827,63 @@ class CPUOffloadOptimizer(Optimizer):
             "device_updated": 0, "device_nonfinite": 0,
         }
         plan["clip_coef"] = self._clip_coef
-        plan["batch"] = JobBatch(self._worker, partial(self._update_batch, plan))
+        # Slots waiting for their update, and how many elements were queued since the last
+        # job was submitted. Each job takes the next batch from the front when it runs, so
+        # step() can put what is left in forward order (see _return_early).
+        plan.update(todo=[], todo_lock=threading.Lock(), queued_numel=0,
+                    batch_numel=host_worker.BATCH_NUMEL, ready={}, pushed={})
         return plan
 
     def _submit_update(self, slot: HostSlot) -> None:
         """Queue ``slot``'s update (small parameters go to the worker several at a time)."""
         plan = self._overlap
         plan["submitted"].add(slot.master)
-        plan["batch"].add(slot, slot.master.numel())
+        with plan["todo_lock"]:
+            plan["todo"].append(slot)
+            plan["queued_numel"] += slot.master.numel()
+            full = plan["queued_numel"] >= plan["batch_numel"]
+            if full:
+                plan["queued_numel"] = 0
+        if full:
+            self._worker.submit(partial(self._update_next, plan))
 
     def _flush_updates(self) -> None:
-        """Hand the worker the updates still waiting for their batch to fill."""
-        if self._overlap is not None:
-            self._overlap["batch"].flush()
+        """Have the worker update every queued slot, including batches not yet full."""
+        plan = self._overlap
+        if plan is None:
+            return
+        with plan["todo_lock"]:
+            queued, plan["queued_numel"] = bool(plan["todo"]), 0
+        if queued:
+            self._worker.submit(partial(self._update_rest, plan))
+
+    def _update_next(self, plan: dict) -> bool:
+        """Worker job: update the next batch of queued slots; False if none was left."""
+        with plan["todo_lock"]:
+            todo, numel = plan["todo"], 0
+            take = 0
+            while take < len(todo) and (take == 0 or numel < plan["batch_numel"]):
+                numel += todo[take].master.numel()
+                take += 1
+            slots, plan["todo"] = todo[:take], todo[take:]
+        if slots:
+            self._update_batch(plan, slots)
+        return bool(slots)
+
+    def _update_rest(self, plan: dict) -> None:
+        """Worker job: update batches until no slot is queued."""
+        while self._update_next(plan):
+            pass
 
     def _update_batch(self, plan: dict, slots: list[HostSlot]) -> None:
         """Worker job: update ``slots`` and send their weights to the device."""
+        try:
+            self._update_and_push(plan, slots)
+        finally:  # even on failure: a forward waiting for these must not hang (it raises)
+            for slot in slots:
+                plan["ready"].setdefault(id(slot.param), threading.Event()).set()
+
+    def _update_and_push(self, plan: dict, slots: list[HostSlot]) -> None:
         finite = []
         start = time.perf_counter()
         for slot in slots:
@@ -831,6 +908,8 @@ class CPUOffloadOptimizer(Optimizer):
             self._last_push = self._transfers.to_device(
                 [(slot.weight_source(), slot.device_weight()) for slot in finite]
             )
+            for slot in finite:
+                plan["pushed"][id(slot.param)] = self._last_push
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -848,6 +927,8 @@ class CPUOffloadOptimizer(Optimizer):
         if self.delayed_update:
             self._step_delayed()
             return loss
+        self._finish_early_step()
+        early, self._early_forward = self._early_forward, False
         try:
             if self._overlap is None:
                 self._warn_if_unscaled()
@@ -866,10 +947,13 @@ class CPUOffloadOptimizer(Optimizer):
                     self._offload_grad(slot.param)  # set by hand; the hook submits it
                 elif slot.has_grad and slot.master not in plan["submitted"]:
                     self._submit_update(slot)
+            if early:
+                self._return_early(plan)
             self._flush_updates()
             self._step_on_device(plan)  # its kernels run while the host finishes
-            self._worker.drain()
-            self._report_spared(plan)
+            if not early:
+                self._worker.drain()
+                self._report_spared(plan)
         finally:
             self._overlap = None
             self._final_backward, self._deferred_scale = False, None
@@ -877,8 +961,66 @@ class CPUOffloadOptimizer(Optimizer):
             if not self.offload_gradients:
                 for slot in self._slot_list:
                     slot.has_grad = False
-            self._transfers.order_compute_after(self._last_push)
+            if self._early is None:
+                self._transfers.order_compute_after(self._last_push)
         return loss
+
+    # ------------------------------------------------------------------ early forward
+    def _return_early(self, plan: dict) -> None:
+        """overlap_next_step(early_forward=True): let step() return with updates still
+        queued. What is left is updated in forward order, and each module's next forward
+        first waits for its own parameters' weights (a forward pre-hook on all modules,
+        removed once every weight has been waited for), so the forward starts on the
+        first layers while the host updates the later ones."""
+        with plan["todo_lock"]:
+            plan["todo"].sort(key=lambda slot: slot.order)
+        plan["gates"] = {id(slot.param): slot for slot in self._slot_list
+                         if slot.master in plan["submitted"]}
+        plan["hook"] = torch.nn.modules.module.register_module_forward_pre_hook(self._gate)
+        self._early = plan
+
+    def _gate(self, module: torch.nn.Module, args: Any) -> None:
+        """Forward pre-hook while a step that returned early runs: wait for the weights of
+        ``module``'s own parameters (on the host until sent, then on the device by event)."""
+        plan = self._early
+        if plan is None:
+            return
+        for param in module._parameters.values():
+            slot = plan["gates"].get(id(param)) if param is not None else None
+            if slot is None or slot.param is not param:  # (ids of dead tensors are reused)
+                continue
+            del plan["gates"][id(param)]
+            ready = plan["ready"].setdefault(id(param), threading.Event())
+            while not ready.wait(0.05):
+                if self._worker.failed:
+                    break
+            if self._worker.failed:
+                self._finish_early_step()  # raises the worker's error here
+            self._transfers.order_compute_after(plan["pushed"].get(id(param)))
+        if not plan["gates"]:
+            self._finish_early_step()
+
+    def _finish_early_step(self) -> None:
+        """Complete a step that returned early: every update done, every weight ordered
+        before later device work, inf/NaN reported (see overlap_next_step)."""
+        plan, self._early = self._early, None
+        if plan is None:
+            return
+        plan["hook"].remove()
+        try:
+            self._worker.drain()
+        finally:
+            self._transfers.order_compute_after(self._last_push)
+            if plan.get("zero_grad"):
+                self._reset_host_grads()
+        self._report_spared(plan)
+
+    def finish_step(self) -> None:
+        """Wait until a step that returned early (``overlap_next_step(early_forward=True)``)
+        has finished: all weights updated on the device, its errors raised. Every method
+        that needs it calls it; call it before reading the model's weights other than
+        through its forward (e.g. saving the model). A no-op otherwise."""
+        self._finish_early_step()
 
     def _step_on_device(self, plan: dict) -> None:
         """Partial offload: update the parameters kept on the device (device_fraction)."""
@@ -1006,6 +1148,7 @@ class CPUOffloadOptimizer(Optimizer):
 
     def _finish_pending(self) -> None:
         """Wait for the background update and put all of its weights on the device."""
+        self._finish_early_step()  # the same for a step that returned early
         plan = self._pending
         if plan is None:
             return

@@ -29,6 +29,7 @@ from offload_plugin.optimizer import CPUOffloadOptimizer
 
 __all__ = [
     "overlap_last_backward",
+    "finish_step",
     "scale_grads",
     "clip_grad_norm",
     "optimizer_metrics",
@@ -42,7 +43,8 @@ def _is_offload(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def overlap_last_backward(
-    optimizer: torch.optim.Optimizer, num_tokens: torch.Tensor, clip_grad_norm
+    optimizer: torch.optim.Optimizer, num_tokens: torch.Tensor, clip_grad_norm,
+    early_forward: bool = False,
 ) -> bool:
     """Before the last backward of a step, let the host work start during it.
 
@@ -54,14 +56,27 @@ def overlap_last_backward(
     each updated weight may return early). Exact: the optimizer applies ``1/num_tokens``
     itself instead of ``scale_grads`` afterwards, which then does nothing.
 
+    ``early_forward``: ``step()`` returns before the host update ends, and the next
+    forward waits per module for its weights (see ``CPUOffloadOptimizer.overlap_next_step``);
+    call :func:`finish_step` before reading the weights otherwise, e.g. to save them.
+
     Returns:
         bool: whether the optimizer takes over the ``1/num_tokens`` scaling.
     """
     if not (_is_offload(optimizer) and optimizer.offload_gradients):
         return False
     clipping = clip_grad_norm is not None and not optimizer.delayed_update
-    optimizer.overlap_next_step(grad_scale=1.0 / float(num_tokens), clipping=clipping)
+    optimizer.overlap_next_step(
+        grad_scale=1.0 / float(num_tokens), clipping=clipping, early_forward=early_forward
+    )
     return True
+
+
+def finish_step(optimizer: torch.optim.Optimizer) -> None:
+    """Wait until the last optimizer step has put every weight on the device (a step that
+    returned early, see :func:`overlap_last_backward`); a no-op for other optimizers."""
+    if _is_offload(optimizer):
+        optimizer.finish_step()
 
 
 def scale_grads(

@@ -87,6 +87,9 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger.log_config(cfg)
         ckpt = self._setup_checkpointer(cfg.checkpointer)
         self._compile = cfg.get("compile", False)
+        # step() may return before the offloaded update ends, the next forward waiting per
+        # module for its weights; not with compiled modules, whose graphs the hook breaks.
+        self._early_forward = cfg.get("early_forward", not self._compile)
         self._model = self._setup_model(cfg.model, ckpt[training.MODEL_KEY])
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, ckpt.get(training.OPT_KEY))
@@ -205,6 +208,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def save_checkpoint(self, epoch: int) -> None:
         """Save the model; before the last epoch also optimizer, scheduler and recipe state."""
+        recipe_utils.finish_step(self._optimizer)  # every weight updated on the device
         ckpt = {training.MODEL_KEY: self._model.state_dict()}
         intermediate = epoch + 1 < self.total_epochs
         if intermediate:
@@ -262,7 +266,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     if (idx + 1) % self._grad_accum == 0:
                         # Last micro-batch: offloaded updates may start during its backward.
                         recipe_utils.overlap_last_backward(
-                            self._optimizer, num_tokens + batch_tokens, self._clip_grad_norm
+                            self._optimizer, num_tokens + batch_tokens, self._clip_grad_norm,
+                            early_forward=self._early_forward,
                         )
                     loss = self._loss_step(batch) * batch_tokens
                     loss.backward()

@@ -91,6 +91,9 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger.log_config(cfg)
         ckpt = self._setup_checkpointer(cfg.checkpointer)
         self._compile = cfg.get("compile", False)
+        # step() may return before the offloaded update ends, the next forward waiting per
+        # module for its weights; not with compiled modules, whose graphs the hook breaks.
+        self._early_forward = cfg.get("early_forward", not self._compile)
         self._model = self._setup_model(cfg.model, ckpt[training.MODEL_KEY], ckpt.get(training.ADAPTER_KEY))
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, ckpt.get(training.OPT_KEY))
@@ -245,6 +248,7 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def save_checkpoint(self, epoch: int) -> None:
         """Save the adapter and the merged model; before the last epoch also the training state."""
+        recipe_utils.finish_step(self._optimizer)  # every weight updated on the device
         # Copy to CPU: merging on the GPU would need a second copy of the model there, and
         # on a CPU device .cpu() would alias the live weights, which the merge adds to in place.
         state_dict = {k: v.to("cpu", copy=True) for k, v in self._model.state_dict().items()}
@@ -321,7 +325,8 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                     if (idx + 1) % self._grad_accum == 0:
                         # Last micro-batch: offloaded updates may start during its backward.
                         recipe_utils.overlap_last_backward(
-                            self._optimizer, num_tokens + batch_tokens, self._clip_grad_norm
+                            self._optimizer, num_tokens + batch_tokens, self._clip_grad_norm,
+                            early_forward=self._early_forward,
                         )
                     loss = self._loss_step(batch) * batch_tokens
                     loss.backward()

@@ -139,6 +139,27 @@ def test_overlapped_updates_match_updates_after_backward(workdir, tmp_path, clip
     torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-6, atol=0)
 
 
+def test_early_forward_trains_and_saves_like_waiting_in_step(workdir, tmp_path):
+    """early_forward (on by default without compile): step() returns before the host
+    update ends and each module's forward waits for its weights. The losses and the saved
+    model are the same bits as with step() waiting."""
+    runs, weights = {}, {}
+    for early in (False, True):
+        out = tmp_path / f"early_{early}"
+        _tune_run(
+            f"offload_plugin/recipes/{RECIPE['full']}", "full", workdir, out,
+            "batch_size=2", "gradient_accumulation_steps=2", "optimizer.offload_gradients=True",
+            f"early_forward={early}",
+        )  # fmt: skip
+        runs[early] = _losses(out)
+        (saved,) = out.glob("epoch_0/*.bin")
+        weights[early] = torch.load(saved, map_location="cpu", weights_only=True)
+    assert len(runs[True]) == STEPS and runs[True] == runs[False]
+    assert weights[True].keys() == weights[False].keys()
+    for name, value in weights[False].items():
+        assert torch.equal(weights[True][name], value), name
+
+
 def test_torchtune_stock_recipe_with_offload_optimizer(workdir, tmp_path):
     """torchtune's own lora_finetune_single_device trains the demo QLoRA model with our optimizer named on the CLI."""
     out = tmp_path / "stock"
