@@ -455,7 +455,9 @@ def describe(run):
     a = run["args"]
     model = "tiny" if a["tiny"] else a["model"]
     extra = (f", grad accum {a['grad_accum']}" if a["grad_accum"] > 1 else "") + (
-        ", activation checkpointing" if a["activation_checkpointing"] else "")
+        ", activation checkpointing" if a["activation_checkpointing"] else "") + (
+        f", clip {a['clip_grad_norm']}" if a.get("clip_grad_norm") else "") + (
+        ", early_forward" if a.get("early_forward") else "")
     return (f"{model} {a['job']}, {a['tokens_per_step']} tokens/step, seq {a['seq_len']}"
             f"{extra} ({run.get('gpu') or a['device']}, {run['date']})")
 
@@ -542,9 +544,9 @@ def parse_args(argv=None):
     p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                    help=f"comma-separated, from: {', '.join(OPTIMIZERS)}")
     p.add_argument("--clip-grad-norm", type=float, default=None)
-    p.add_argument("--no-early-forward", dest="early_forward", action="store_false",
-                   help="ours: step() waits for the whole host update (default: as our recipes, "
-                        "step() returns early and each module's forward waits for its weights)")
+    p.add_argument("--early-forward", action="store_true",
+                   help="ours: overlap_next_step(early_forward=True): step() returns early and "
+                        "each module's next forward waits for its own weights")
     p.add_argument("--measure-host-update", action="store_true",
                    help="also time our optimizer's step() alone (gradients in place)")
     p.add_argument("--seed", type=int, default=0)

@@ -140,9 +140,9 @@ def test_overlapped_updates_match_updates_after_backward(workdir, tmp_path, clip
 
 
 def test_early_forward_trains_and_saves_like_waiting_in_step(workdir, tmp_path):
-    """early_forward (on by default without compile): step() returns before the host
-    update ends and each module's forward waits for its weights. The losses and the saved
-    model are the same bits as with step() waiting."""
+    """early_forward=True (opt-in): step() returns before the host update ends and each
+    module's forward waits for its weights. The losses and the saved model are the same
+    bits as with step() waiting."""
     runs, weights = {}, {}
     for early in (False, True):
         out = tmp_path / f"early_{early}"
