@@ -532,3 +532,33 @@ def test_failed_add_param_group_leaves_optimizer_unchanged():
     assert len(opt.param_groups) == 1
     train(model, opt, 1)
     assert len(opt.state_dict()["state"]) == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_announced_clipping_norm_is_torchs_clip_grad_norm_on_the_device(device):
+    """With clipping announced, each gradient is scaled and normed on its device on the way
+    out; the total norm has the bits torch's clip_grad_norm_ gives over the model's own
+    gradients scaled by torchtune's scale_grads, where they are (on the GPU too)."""
+    from torchtune.training import scale_grads
+
+    ref_model, model = twins(device)
+    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    opt = offload(model, lr=1e-2, offload_gradients=True)
+    for step in range(3):
+        for micro in range(2):
+            if micro == 1:
+                opt.overlap_next_step(grad_scale=1.0 / 16, clipping=True)
+            x, y = batch(step, micro, device)
+            ((ref_model(x) - y) ** 2).sum().backward()
+            ((model(x) - y) ** 2).sum().backward()
+        scale_grads(ref_model, torch.tensor(1.0 / 16))
+        want = torch.nn.utils.clip_grad_norm_(trainable(ref_model), 0.05)
+        got = opt.clip_grad_norm_(0.05)
+        if step == 0 or device == "cpu":  # later GPU steps start from CPU-updated weights
+            assert got.item() == want.item()
+        ref.step()
+        opt.step()
+        ref.zero_grad()
+        opt.zero_grad()
+    if device == "cpu":
+        assert_same_params(ref_model, model, exact=True)
