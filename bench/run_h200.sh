@@ -5,10 +5,11 @@
 #   bash bench/run_h200.sh host     # host-update rate, memory bandwidth, native kernel check
 #   bash bench/run_h200.sh 1b       # Llama-3.2-1B full, 4k tokens/step, every optimizer
 #   bash bench/run_h200.sh qlora    # Llama-3.1-8B QLoRA 4k
-#   bash bench/run_h200.sh 8b4k     # Llama-3.1-8B full 4k, no master weights (fp32 masters for 8B
+#   bash bench/run_h200.sh 8b4k     # Llama-3.1-8B full 4k (and 4k clipped), no master weights (fp32 masters for 8B
 #                                   # need ~128 GB of host memory; this host has 125)
 #   bash bench/run_h200.sh 8b16k    # Llama-3.1-8B full 16k (ga 4 + AC), no master weights, with the
-#                                   # opt-in accumulate_on_device and delayed_update modes
+#                                   # opt-in accumulate_on_device and delayed_update modes; every stage
+#                                   # but host runs no_update, the memory floor for "added GiB"
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
 #                                   # GPU AdamW, FSDP2's CPUOffloadPolicy, ours (each rank its shard);
 #                                   # about 4-6 minutes, at most 7 (--time-budget)
@@ -43,14 +44,16 @@ for stage in "$@"; do
             --clip-grad-norm 1.0 --measure-host-update --optimizers gpu_adamw,offload_grads,offload_grads_nomaster ;;
     qlora)
         bench llama3_1_8b-qlora-4096 --model llama3_1_8b --job qlora --tokens-per-step 4096 --seq-len 2048 \
-            --optimizers gpu_adamw,offload_grads,torchao ;;
+            --optimizers gpu_adamw,no_update,offload_grads,torchao ;;
     8b4k)
         bench llama3_1_8b-full-4096 --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
-            --measure-host-update --steps 5 --optimizers gpu_adamw,offload_grads_nomaster,offload_grads_nomaster_delayed,torchao,bnb_paged8bit ;;
+            --measure-host-update --steps 5 --optimizers gpu_adamw,no_update,offload_grads_nomaster,torchao,bnb_paged8bit
+        bench llama3_1_8b-full-4096-clip --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
+            --clip-grad-norm 1.0 --steps 5 --optimizers gpu_adamw,offload_grads_nomaster ;;
     8b16k)
         bench llama3_1_8b-full-16384-ga4-ac --model llama3_1_8b --job full --tokens-per-step 16384 --seq-len 2048 \
             --grad-accum 4 --activation-checkpointing --steps 6 --warmup 2 \
-            --optimizers gpu_adamw,offload_grads_nomaster,offload_grads_nomaster_delayed,offload_grads_nomaster_devacc,offload_grads_nomaster_devacc_delayed,bnb_paged8bit ;;
+            --optimizers gpu_adamw,no_update,offload_grads_nomaster_devacc_delayed,bnb_paged8bit ;;
     fsdp2)
         # Global 16384 tokens = 2 ranks x 2 micro-batches x 2 sequences of 2048. A child that
         # hangs or crawls is stopped at 150 s and recorded; the stage stops starting new ones

@@ -286,9 +286,9 @@ class CPUOffloadOptimizer(Optimizer):
         self._early_forward = False
         self._early: Optional[dict] = None
         self._deferred_scale: Optional[float] = None
-        # overlap_next_step(clipping=True): each gradient is scaled and its norm taken on
-        # the host worker during backward; clip_grad_norm_ sums the norms and leaves the
-        # multiply by its coefficient to each parameter's update job.
+        # overlap_next_step(clipping=True): each gradient is scaled and its norm taken during
+        # backward (on the device on its way out, or by the host worker for a host sum);
+        # clip_grad_norm_ sums the norms and leaves the multiply to each update.
         self._prenorm: Optional[dict] = None
         self._clip_coef: Optional[torch.Tensor] = None
         self._push_lock = threading.Lock()
@@ -749,10 +749,11 @@ class CPUOffloadOptimizer(Optimizer):
             grad_scale (float, optional): multiply each gradient by this in the update
                 (torchtune's ``1 / num_tokens``), since ``scale_grads`` comes too late.
             clipping (bool): ``clip_grad_norm_`` will be called before ``step()``. No update
-                may start before it, but each gradient is scaled and its norm taken as it
-                reaches the host, so ``clip_grad_norm_`` only sums the norms, and the
-                multiply by the clip coefficient happens in each parameter's update job.
-                Same results as scaling, clipping and stepping afterwards.
+                may start before it, but each gradient is scaled and its norm taken on
+                its device on the way out (on the host for a sum accumulated there), so
+                ``clip_grad_norm_`` only sums the norms (where torch would), and each
+                update folds the clip coefficient into its pass. Same results as
+                scaling, clipping and stepping afterwards.
             early_forward (bool): ``step()`` returns once the updates are queued; what is
                 left is updated in forward order, and each module's next forward waits
                 only for its own parameters' new weights (a forward pre-hook on every
