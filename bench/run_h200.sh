@@ -8,8 +8,8 @@
 #   bash bench/run_h200.sh 8b4k     # Llama-3.1-8B full 4k (and 4k clipped), no master weights (fp32 masters for 8B
 #                                   # need ~128 GB of host memory; this host has 125)
 #   bash bench/run_h200.sh 8b16k    # Llama-3.1-8B full 16k (ga 4 + AC), no master weights, with the
-#                                   # opt-in accumulate_on_device and delayed_update modes; every stage
-#                                   # but host runs no_update, the memory floor for "added GiB"
+#                                   # opt-in accumulate_on_device and delayed_update modes; each one-GPU
+#                                   # stage's main table has no_update, the floor for "added GiB"
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
 #                                   # GPU AdamW, FSDP2's CPUOffloadPolicy, ours (each rank its shard);
 #                                   # about 4-6 minutes, at most 7 (--time-budget)
