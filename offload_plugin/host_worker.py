@@ -124,13 +124,12 @@ class HostWorker:
 
 
 class JobBatch:
-    """Collects items and submits ``run(items)`` as one job once they hold ``min_numel``
+    """Collects items and submits ``run(items)`` as one job once they hold ``BATCH_NUMEL``
     elements; ``flush()`` submits the rest (call it before waiting on the worker)."""
 
-    def __init__(self, worker: HostWorker, run: Callable[[list], None],
-                 min_numel: Optional[int] = None) -> None:
+    def __init__(self, worker: HostWorker, run: Callable[[list], None]) -> None:
         self._worker, self._run = worker, run
-        self._min_numel = BATCH_NUMEL if min_numel is None else min_numel
+        self._min_numel = BATCH_NUMEL
         self._items: list = []
         self._numel = 0
 

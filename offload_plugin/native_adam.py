@@ -261,7 +261,6 @@ class NativeAdam:
         if dst.numel():
             self._add(dst.data_ptr(), src.data_ptr(), dst.numel(), int(num_threads))
 
-
     def finite(self, t: torch.Tensor, num_threads: int) -> bool:
         """Whether a contiguous bf16 or fp32 CPU tensor holds no inf and no NaN."""
         if not (t.device.type == "cpu" and t.is_contiguous() and t.dtype in _CHECKED):

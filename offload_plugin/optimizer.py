@@ -861,8 +861,7 @@ class CPUOffloadOptimizer(Optimizer):
     def _update_next(self, plan: dict) -> bool:
         """Worker job: update the next batch of queued slots; False if none was left."""
         with plan["todo_lock"]:
-            todo, numel = plan["todo"], 0
-            take = 0
+            todo, take, numel = plan["todo"], 0, 0
             while take < len(todo) and (take == 0 or numel < plan["batch_numel"]):
                 numel += todo[take].master.numel()
                 take += 1
@@ -886,11 +885,10 @@ class CPUOffloadOptimizer(Optimizer):
 
     def _update_and_push(self, plan: dict, slots: list[HostSlot]) -> None:
         finite = []
-        start = time.perf_counter()
         for slot in slots:
+            start = time.perf_counter()
             self._settle(slot)
             self._worker.waited_s += time.perf_counter() - start
-            start = time.perf_counter()
             # Updates that overlap backward cannot wait for a verdict on all gradients:
             # each checks its own before touching the master weight or the state.
             if plan["check_each"] and not self._landed_grad_finite(slot):
