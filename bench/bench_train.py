@@ -135,6 +135,11 @@ OPTIMIZERS = {
     "offload_grads_nomaster_devacc_delayed": lambda m, t, a: _ours(
         m, t, a, offload_gradients=True, master_weights=False, accumulate_on_device=True,
         delayed_update=True),
+    # Exact, with overlap_next_step(early_forward=True): the next forward overlaps the end
+    # of the host update (as --early-forward does for every run of ours).
+    "offload_grads_early": lambda m, t, a: _ours(m, t, a, offload_gradients=True),
+    "offload_grads_nomaster_early": lambda m, t, a: _ours(m, t, a, offload_gradients=True,
+                                                          master_weights=False),
     "torchao": _torchao,
     "bnb_paged8bit": _bnb,
 }
@@ -208,6 +213,22 @@ def build_model(args):
     return model
 
 
+def _trace_result(marks, jobs):
+    """--trace: main-thread marks (host time; GPU time where the event was recorded) and
+    host update jobs, in seconds from the first mark; the GPU clock is aligned with the
+    host's at that mark (taken right after a synchronize)."""
+    t_zero, event_zero = marks[0][1], marks[0][2]
+    rows = []
+    for what, t, event in marks:
+        gpu = event_zero.elapsed_time(event) / 1e3 if event is not None else None
+        rows.append([what, round(t - t_zero, 6), None if gpu is None else round(gpu, 6)])
+    out = {"marks": rows}
+    if jobs is not None:
+        out["jobs_columns"] = ["start", "landed", "updated", "pushed", "numel", "order"]
+        out["jobs"] = [[round(x - t_zero, 6) for x in job[:4]] + list(job[4:]) for job in jobs]
+    return out
+
+
 def run_single(args, name):
     """Train with one optimizer in this process; returns the result dict."""
     from torchtune import training
@@ -250,20 +271,34 @@ def run_single(args, name):
         # there, and the updates start at step(); delayed_update: weights return during
         # the last backward.
         delayed = is_ours and opt.delayed_update
+        early = args.early_forward or name.endswith("_early")
         overlap = is_ours and opt.offload_gradients
         from offload_plugin.recipe_utils import overlap_last_backward
+
+        marks = None  # --trace: (what, host seconds, GPU event or None) for traced steps
+
+        def mark(what):
+            if marks is not None:
+                event = None
+                if dev == "cuda":
+                    event = torch.cuda.Event(enable_timing=True)
+                    event.record()
+                marks.append((what, time.perf_counter(), event))
 
         def forward_backward(overlap=overlap):
             total = torch.zeros((), device=dev)
             for i, tokens in enumerate(batches):
                 if overlap and i == len(batches) - 1:
                     overlap_last_backward(opt, torch.tensor(n_tokens), args.clip_grad_norm,
-                                          early_forward=args.early_forward)
+                                          early_forward=early)
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]
+                mark("forward")
                 logits = model(inputs)
                 loss = loss_fn(logits, labels) * labels.numel()  # summed over tokens
                 del logits
+                mark("backward")
                 loss.backward()
+                mark("backward_launched")
                 total += loss.detach()
             return total
 
@@ -283,14 +318,21 @@ def run_single(args, name):
         busy = [opt._worker.busy_s] if is_ours else []  # host worker's job seconds so far
         waited = [opt._worker.waited_s] if is_ours else []  # ...spent waiting for copies
         for step in range(args.steps):
+            if args.trace and step == args.steps - 2:  # the last two steps
+                marks = []
+                if is_ours:
+                    opt._worker.trace = []
             sync(dev)
             t0 = time.perf_counter()
+            mark("step")
             total = forward_backward()
             scale_clip()
+            mark("opt_step")
             opt.step()
+            mark("opt_step_returned")
             opt.zero_grad(set_to_none=True)
-            if is_ours and step == args.steps - 1:
-                opt.finish_step()  # early_forward: the last step's tail counts too
+            # (early_forward: what step() left running is timed in the next step, whose
+            # forward overlaps it, so every timed step holds one step's updates.)
             sync(dev)
             times.append(time.perf_counter() - t0)
             losses.append(total.item() / args.tokens_per_step)
@@ -299,6 +341,12 @@ def run_single(args, name):
                 waited.append(opt._worker.waited_s)
             print(f"[{name}] step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
                   file=sys.stderr, flush=True)
+        if is_ours:
+            opt.finish_step()
+        if marks:
+            res["trace"] = _trace_result(marks, opt._worker.trace if is_ours else None)
+            if is_ours:
+                opt._worker.trace = None
         timed = times[args.warmup:]
         res.update(step_times=times, losses=losses, step_s=sum(timed) / len(timed))
         res["tokens_per_s"] = args.tokens_per_step / res["step_s"]
@@ -457,7 +505,9 @@ def describe(run):
     extra = (f", grad accum {a['grad_accum']}" if a["grad_accum"] > 1 else "") + (
         ", activation checkpointing" if a["activation_checkpointing"] else "") + (
         f", clip {a['clip_grad_norm']}" if a.get("clip_grad_norm") else "") + (
-        ", early_forward" if a.get("early_forward") else "")
+        ", early_forward" if a.get("early_forward") else "") + (
+        f", host_threads {a['host_threads']}" if a.get("host_threads") else "") + (
+        f", switch interval {a['switch_interval']} s" if a.get("switch_interval") else "")
     return (f"{model} {a['job']}, {a['tokens_per_step']} tokens/step, seq {a['seq_len']}"
             f"{extra} ({run.get('gpu') or a['device']}, {run['date']})")
 
@@ -547,6 +597,12 @@ def parse_args(argv=None):
     p.add_argument("--early-forward", action="store_true",
                    help="ours: overlap_next_step(early_forward=True): step() returns early and "
                         "each module's next forward waits for its own weights")
+    p.add_argument("--trace", action="store_true",
+                   help="record a timeline of the last two steps (main thread and, for ours, "
+                        "each host update job) in the results")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval(...) in each run (Python's GIL hand-over "
+                        "interval, default 0.005 s)")
     p.add_argument("--measure-host-update", action="store_true",
                    help="also time our optimizer's step() alone (gradients in place)")
     p.add_argument("--seed", type=int, default=0)
@@ -573,6 +629,8 @@ def parse_args(argv=None):
         args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     return args
 
 

@@ -68,6 +68,9 @@ class HostWorker:
         self._thread: Optional[threading.Thread] = None
         self.busy_s = 0.0  # seconds spent in jobs so far (benchmarks compare it to step time)
         self.waited_s = 0.0  # of which update jobs waited for their gradients' copies
+        # Benchmarks set a list here to get (start, gradients landed, updated, pushed,
+        # elements, first parameter's position) per update job, in perf_counter seconds.
+        self.trace: Optional[list] = None
 
     def submit(self, job: Callable[[], None], urgent: bool = False) -> None:
         """Queue ``job``; an ``urgent`` one runs before every queued non-urgent job."""

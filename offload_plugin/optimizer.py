@@ -285,6 +285,9 @@ class CPUOffloadOptimizer(Optimizer):
         # step that returned before its updates finished (see _finish_early_step).
         self._early_forward = False
         self._early: Optional[dict] = None
+        # ids of the parameters whose forward gate the last early step never saw pass
+        # (unused in the forward, or used without their module's forward: see _gate).
+        self._ungated: dict[int, torch.Tensor] = {}
         self._deferred_scale: Optional[float] = None
         # overlap_next_step(clipping=True): each gradient is scaled and its norm taken during
         # backward (on the device on its way out, or by the host worker for a host sum);
@@ -435,8 +438,24 @@ class CPUOffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------ gradients
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """Backward hook (offload_gradients=True)."""
-        if self._early is not None:  # a parameter the forward did not use: its update may run
+        if self._early is not None:  # the forward is over: so is the step that returned early
+            # Its parameters whose gate did not open must not get a gradient in this
+            # backward (checked below until it ends).
+            self._ungated = {id(s.param): s.param for s in self._early["gates"].values()}
+            torch.autograd.Variable._execution_engine.queue_callback(self._ungated.clear)
             self._finish_early_step()
+        if self._ungated and self._ungated.get(id(param)) is param:
+            # The forward used it, yet its module's forward pre-hook never ran: something
+            # read the weight directly (nn.MultiheadAttention reads out_proj.weight), maybe
+            # before its update had arrived. Refuse the gradient rather than guess.
+            raise RuntimeError(
+                f"CPUOffloadOptimizer(early_forward): a parameter of shape {tuple(param.shape)} "
+                "was used by the forward without its own module's forward running (e.g. "
+                "nn.MultiheadAttention reads out_proj.weight itself), so it may have been "
+                "read before its update arrived. The previous step is complete; this "
+                "backward's gradients are not used. Turn early_forward off "
+                "(overlap_next_step(early_forward=False); `early_forward: False` in our recipes)."
+            )
         if self.overlapping:
             if id(param) in self._announced_seen:
                 # Its update (or its norm, or its weight's return) may already be under way.
@@ -758,11 +777,14 @@ class CPUOffloadOptimizer(Optimizer):
                 left is updated in forward order, and each module's next forward waits
                 only for its own parameters' new weights (a forward pre-hook on every
                 module until all have arrived), so the next forward overlaps the end of
-                the host update. Same results, if (1) every parameter is first used in the
-                forward of the module it is registered on (true for torchtune's models;
-                not for ``nn.MultiheadAttention``, which reads ``out_proj.weight`` itself),
-                and (2) nothing reads the weights before that forward except after
-                :meth:`finish_step` (our recipes call it before saving). Errors and the
+                the host update (call this before that forward: it leaves a step still
+                running alone). Same results, if (1) every parameter is first used in the
+                forward of the module it is registered on (true for torchtune's models), and
+                (2) nothing reads the weights before that forward except after
+                :meth:`finish_step` (our recipes call it before saving). A weight that the
+                forward reads without its module's forward (``nn.MultiheadAttention`` reads
+                ``out_proj.weight`` itself) makes the next backward raise RuntimeError, with
+                the previous step complete and no new gradient used. Errors and the
                 inf/NaN report of that step come from the next forward or the next call
                 that needs the step finished. Not with ``torch.compile``d modules (the
                 hook would break their graphs). Ignored with ``delayed_update`` and
@@ -776,7 +798,8 @@ class CPUOffloadOptimizer(Optimizer):
             raise ValueError(
                 "overlap_next_step() needs CPUOffloadOptimizer(offload_gradients=True)."
             )
-        self._finish_early_step()
+        # A step that returned early may still be updating (this is normally called
+        # before the next forward, which it is to overlap); what follows leaves it alone.
         self._early_forward = bool(early_forward) and not self.delayed_update and not self._meshes
         self._scaled_since_zero_grad = True
         self._announced_seen = set()
@@ -813,13 +836,22 @@ class CPUOffloadOptimizer(Optimizer):
         self, grad_scale: Optional[float], check_each: bool, wait_pushes: bool = True
     ) -> dict:
         """Sync hyperparameters and make the host buffers safe to overwrite."""
-        for outer, inner in zip(self.param_groups, self._host_optimizer.param_groups):
-            # Schedulers write lr/betas/momentum into our groups; the host update reads them.
-            inner.update({k: v for k, v in outer.items() if k != "params"})
-        if wait_pushes:
-            # The previous step's weight copies read master/weight_stage: let them finish.
-            # (delayed_update waits per parameter, in its jobs.)
-            Transfers.wait(self._last_push)
+        # Schedulers write lr/betas/momentum into our groups; the host update reads them
+        # from its own. (A tensor lr is changed in place: copy its value.)
+        hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v
+                  for k, v in outer.items() if k != "params"} for outer in self.param_groups]
+        if self._early is None:
+            self._set_host_hyperparameters(hyper)
+            if wait_pushes:
+                # The previous step's weight copies read master/weight_stage: let them
+                # finish. (delayed_update waits per parameter, in its jobs.)
+                Transfers.wait(self._last_push)
+        else:
+            # A step that returned early is still updating with the current values: the
+            # worker runs its jobs in order, so set the new ones after them. Its weight
+            # copies need no wait here: each parameter's next gradient comes from a
+            # forward that waited for its copy.
+            self._worker.submit(partial(self._set_host_hyperparameters, hyper))
         groups = {m: g for g in self._host_optimizer.param_groups for m in g["params"]}
         plan = {
             "groups": groups, "grad_scale": grad_scale, "submitted": set(),
@@ -832,8 +864,13 @@ class CPUOffloadOptimizer(Optimizer):
         # job was submitted. Each job takes the next batch from the front when it runs, so
         # step() can put what is left in forward order (see _return_early).
         plan.update(todo=[], todo_lock=threading.Lock(), queued_numel=0,
-                    batch_numel=host_worker.BATCH_NUMEL, ready={}, pushed={})
+                    batch_numel=host_worker.BATCH_NUMEL, ready={}, pushed={},
+                    landed_first=False, pushes_after=None)
         return plan
+
+    def _set_host_hyperparameters(self, hyper: list[dict]) -> None:
+        for values, inner in zip(hyper, self._host_optimizer.param_groups):
+            inner.update(values)
 
     def _submit_update(self, slot: HostSlot) -> None:
         """Queue ``slot``'s update (small parameters go to the worker several at a time)."""
@@ -861,14 +898,26 @@ class CPUOffloadOptimizer(Optimizer):
     def _update_next(self, plan: dict) -> bool:
         """Worker job: update the next batch of queued slots; False if none was left."""
         with plan["todo_lock"]:
-            todo, take, numel = plan["todo"], 0, 0
-            while take < len(todo) and (take == 0 or numel < plan["batch_numel"]):
+            todo, first = plan["todo"], 0
+            if plan["landed_first"]:
+                # Forward order, but skipping gradients still on their way: the first
+                # parameters of the forward are the last of the backward (the embedding
+                # lands last), and waiting for them would leave the host idle.
+                first = next((i for i, slot in enumerate(todo) if self._landed(slot)), 0)
+            take, numel = first, 0
+            while take < len(todo) and (take == first or numel < plan["batch_numel"]):
                 numel += todo[take].master.numel()
                 take += 1
-            slots, plan["todo"] = todo[:take], todo[take:]
+            slots, plan["todo"] = todo[first:take], todo[:first] + todo[take:]
         if slots:
             self._update_batch(plan, slots)
         return bool(slots)
+
+    @staticmethod
+    def _landed(slot: HostSlot) -> bool:
+        """Whether ``slot``'s gradient copies have completed (the update would not wait)."""
+        incoming = slot.incoming_event if slot.incoming_pending else None
+        return Transfers.landed(slot.grad_event) and Transfers.landed(incoming)
 
     def _update_rest(self, plan: dict) -> None:
         """Worker job: update batches until no slot is queued."""
@@ -884,6 +933,8 @@ class CPUOffloadOptimizer(Optimizer):
                 plan["ready"].setdefault(id(slot.param), threading.Event()).set()
 
     def _update_and_push(self, plan: dict, slots: list[HostSlot]) -> None:
+        trace = self._worker.trace
+        start_job = time.perf_counter() if trace is not None else 0.0
         finite = []
         for slot in slots:
             start = time.perf_counter()
@@ -903,12 +954,18 @@ class CPUOffloadOptimizer(Optimizer):
                 else:
                     for slot in finite:
                         slot.grad.mul_(plan["clip_coef"])
+            settled = time.perf_counter() if trace is not None else 0.0
             update_slots(self._host_optimizer, plan["groups"], finite, grad_scale)
+            updated = time.perf_counter() if trace is not None else 0.0
             self._last_push = self._transfers.to_device(
-                [(slot.weight_source(), slot.device_weight()) for slot in finite]
+                [(slot.weight_source(), slot.device_weight()) for slot in finite],
+                after=plan["pushes_after"],
             )
             for slot in finite:
                 plan["pushed"][id(slot.param)] = self._last_push
+            if trace is not None:  # (benchmarks) where the host's time goes, per job
+                trace.append((start_job, settled, updated, time.perf_counter(),
+                              sum(slot.master.numel() for slot in finite), finite[0].order))
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -927,6 +984,7 @@ class CPUOffloadOptimizer(Optimizer):
             self._step_delayed()
             return loss
         self._finish_early_step()
+        self._ungated = {}
         early, self._early_forward = self._early_forward, False
         try:
             if self._overlap is None:
@@ -971,8 +1029,12 @@ class CPUOffloadOptimizer(Optimizer):
         first waits for its own parameters' weights (a forward pre-hook on all modules,
         removed once every weight has been waited for), so the forward starts on the
         first layers while the host updates the later ones."""
+        # The next forward's work queued from now on does not read the weights: their
+        # copies need only wait for the backward.
+        plan["pushes_after"] = self._transfers.mark_compute()
         with plan["todo_lock"]:
             plan["todo"].sort(key=lambda slot: slot.order)
+            plan["landed_first"] = True
         plan["gates"] = {id(slot.param): slot for slot in self._slot_list
                          if slot.master in plan["submitted"]}
         plan["hook"] = torch.nn.modules.module.register_module_forward_pre_hook(self._gate)

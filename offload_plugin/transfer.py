@@ -68,24 +68,44 @@ class Transfers:
             event.record(self.d2h)
         return event
 
-    def to_device(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> Optional[object]:
+    def to_device(
+        self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], after: Optional[object] = None
+    ) -> Optional[object]:
         """Copy each ``(host_src, device_dst)``; returns the event of the last copy.
 
         Copies in this direction complete in issue order, so waiting for the latest
-        event (``order_compute_after``) covers all earlier ones.
+        event (``order_compute_after``) covers all earlier ones. The copies first wait
+        for the work queued on the compute stream so far (the backward that read these
+        weights), or only for ``after`` (an event from ``mark_compute``) when the compute
+        stream has since received work that does not read them.
         """
         if not self.is_async:
             for src, dst in pairs:
                 dst.copy_(src)
             return None
-        # Work queued before (the backward that read these weights) must finish first.
-        self.h2d.wait_stream(self._compute_stream())
+        if after is not None:
+            self.h2d.wait_event(after)
+        else:
+            self.h2d.wait_stream(self._compute_stream())
         with torch.cuda.stream(self.h2d):
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.h2d)
         return event
+
+    def mark_compute(self) -> Optional[object]:
+        """An event after the work queued on the compute stream so far (None if synchronous)."""
+        if not self.is_async:
+            return None
+        event = torch.cuda.Event()
+        event.record(self._compute_stream())
+        return event
+
+    @staticmethod
+    def landed(event: Optional[object]) -> bool:
+        """Whether ``event`` (from to_host) has completed, without waiting."""
+        return event is None or event.query()
 
     def order_compute_after(self, event: Optional[object]) -> None:
         """Make work queued on the compute stream from now on wait for ``event``."""

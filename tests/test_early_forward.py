@@ -137,6 +137,86 @@ def test_backlog_left_after_backward_is_updated_in_forward_order(early, monkeypa
     assert (held.order == sorted(held.order)) == early
 
 
+def test_the_next_steps_lr_does_not_reach_updates_still_running(monkeypatch):
+    """The scheduler changes the lr after step() returned early; the updates still queued
+    use the lr of their own step, and the next step's use the new one."""
+    ref_model = make_model()
+    model = copy.deepcopy(ref_model)
+    ref = offload(ref_model, lr=1e-2, offload_gradients=True)
+    opt = offload(model, lr=1e-2, offload_gradients=True)
+    held = _HeldUpdates(monkeypatch)
+    for optimizer, twin, early in ((ref, ref_model, False), (opt, model, True)):
+        held.release.set() if not early else held.release.clear()
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 10.0 ** -step)
+        for step in range(2):
+            optimizer.overlap_next_step(grad_scale=1.0 / 8, early_forward=early)
+            if early and step == 1:  # step 0's updates may run only now, with lr 1e-3 set
+                threading.Timer(0.3, held.release.set).start()
+            x, y = batch(step, 0, "cpu")
+            ((twin(x) - y) ** 2).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+    opt.finish_step()
+    assert_same_params(ref_model, model, exact=True)
+    for p, rp in zip(trainable(model), trainable(ref_model)):
+        torch.testing.assert_close(opt.state[p]["exp_avg"], ref.state[rp]["exp_avg"], rtol=0, atol=0)
+
+
+class _Attention(nn.Module):
+    """nn.MultiheadAttention reads out_proj.weight itself: out_proj's forward never runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_a_weight_read_around_its_module_is_refused_after_a_complete_step():
+    """early_forward cannot gate a weight that is read without its module's forward: the
+    next backward raises instead of using a gradient made from a possibly stale weight,
+    and the step before it is complete (the same weights as waiting in step())."""
+    ref_model, model = _Attention(), _Attention()
+    ref = offload(ref_model, lr=1e-2, offload_gradients=True)
+    opt = offload(model, lr=1e-2, offload_gradients=True)
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(0))
+    for optimizer, twin, early in ((ref, ref_model, False), (opt, model, True)):
+        optimizer.overlap_next_step(grad_scale=0.5, early_forward=early)
+        twin(x).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    opt.overlap_next_step(grad_scale=0.5, early_forward=True)
+    with pytest.raises(RuntimeError, match=r"early_forward.*out_proj\.weight"):
+        model(x).square().sum().backward()
+    assert_same_params(ref_model, model, exact=True)
+
+
+def test_a_parameter_first_used_by_a_later_micro_batch_is_not_refused():
+    """Only a gradient from the backward that ended the early step is checked: a
+    parameter the first micro-batch did not use may be used (gated or not) by the next."""
+    torch.manual_seed(0)
+    models = [nn.ModuleDict({"a": nn.Linear(8, 8), "b": nn.Linear(8, 8)}) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    weights = []
+    for model, early in zip(models, (False, True)):
+        opt = offload(model, lr=1e-2, offload_gradients=True)
+        for step in range(3):
+            # the first micro-batch uses only "a"; the second reads b.weight directly
+            model["a"](x).square().sum().backward()
+            opt.overlap_next_step(grad_scale=0.5, early_forward=early)
+            (model["a"](x) @ model["b"].weight + model["b"](x)).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish_step()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    for got, want in zip(weights[1], weights[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_failed_update_surfaces_from_the_next_forward(monkeypatch):
     model = make_model()
     opt = offload(model, lr=1e-2, offload_gradients=True)

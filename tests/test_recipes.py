@@ -139,20 +139,21 @@ def test_overlapped_updates_match_updates_after_backward(workdir, tmp_path, clip
     torch.testing.assert_close(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-6, atol=0)
 
 
-def test_early_forward_trains_and_saves_like_waiting_in_step(workdir, tmp_path):
-    """early_forward=True (opt-in): step() returns before the host update ends and each
-    module's forward waits for its weights. The losses and the saved model are the same
-    bits as with step() waiting."""
+@pytest.mark.parametrize("kind,accum", [("full", 2), ("lora", 1)])
+def test_early_forward_trains_and_saves_like_waiting_in_step(workdir, tmp_path, kind, accum):
+    """early_forward=True (the recipes' default): step() returns before the host update
+    ends and each module's forward waits for its weights. The losses and the saved model
+    (adapters for LoRA) are the same bits as with step() waiting."""
     runs, weights = {}, {}
     for early in (False, True):
         out = tmp_path / f"early_{early}"
         _tune_run(
-            f"offload_plugin/recipes/{RECIPE['full']}", "full", workdir, out,
-            "batch_size=2", "gradient_accumulation_steps=2", "optimizer.offload_gradients=True",
-            f"early_forward={early}",
+            f"offload_plugin/recipes/{RECIPE[kind]}", kind, workdir, out,
+            "batch_size=2", f"gradient_accumulation_steps={accum}",
+            "optimizer.offload_gradients=True", f"early_forward={early}",
         )  # fmt: skip
         runs[early] = _losses(out)
-        (saved,) = out.glob("epoch_0/*.bin")
+        (saved,) = out.glob("epoch_0/*.bin" if kind == "full" else "epoch_0/adapter_model.pt")
         weights[early] = torch.load(saved, map_location="cpu", weights_only=True)
     assert len(runs[True]) == STEPS and runs[True] == runs[False]
     assert weights[True].keys() == weights[False].keys()
