@@ -39,7 +39,7 @@ for stage in "$@"; do
         python3 bench/host_update_rate.py --numel $((1 << 28)) 2>&1 | tee "$OUT/host_update_rate.txt" ;;
     1b)
         bench llama3_2_1b-full-4096 --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
-            --measure-host-update --optimizers gpu_adamw,no_update,offload,offload_grads,offload_grads_delayed,offload_nomaster,offload_grads_nomaster,torchao,bnb_paged8bit
+            --measure-host-update --optimizers gpu_adamw,no_update,offload,offload_grads,offload_grads_early,offload_grads_delayed,offload_nomaster,offload_grads_nomaster,offload_grads_nomaster_early,torchao,bnb_paged8bit
         bench llama3_2_1b-full-4096-clip --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
             --clip-grad-norm 1.0 --measure-host-update --optimizers gpu_adamw,offload_grads,offload_grads_nomaster ;;
     qlora)
@@ -47,7 +47,7 @@ for stage in "$@"; do
             --optimizers gpu_adamw,no_update,offload_grads,torchao ;;
     8b4k)
         bench llama3_1_8b-full-4096 --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
-            --measure-host-update --steps 5 --optimizers gpu_adamw,no_update,offload_grads_nomaster,torchao,bnb_paged8bit
+            --measure-host-update --steps 5 --optimizers gpu_adamw,no_update,offload_grads_nomaster,offload_grads_nomaster_early,torchao,bnb_paged8bit
         bench llama3_1_8b-full-4096-clip --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
             --clip-grad-norm 1.0 --steps 5 --optimizers gpu_adamw,offload_grads_nomaster ;;
     8b16k)
