@@ -899,11 +899,13 @@ class CPUOffloadOptimizer(Optimizer):
         """Worker job: update the next batch of queued slots; False if none was left."""
         with plan["todo_lock"]:
             todo, first = plan["todo"], 0
-            if plan["landed_first"]:
+            if plan["landed_first"] and todo:
                 # Forward order, but skipping gradients still on their way: the first
                 # parameters of the forward are the last of the backward (the embedding
-                # lands last), and waiting for them would leave the host idle.
-                first = next((i for i, slot in enumerate(todo) if self._landed(slot)), 0)
+                # lands last), and waiting for them would leave the host idle. If none
+                # has landed, wait for the one that lands first: copies land in backward
+                # order, so that is the last one in forward order.
+                first = next((i for i, slot in enumerate(todo) if self._landed(slot)), len(todo) - 1)
             take, numel = first, 0
             while take < len(todo) and (take == first or numel < plan["batch_numel"]):
                 numel += todo[take].master.numel()
