@@ -39,6 +39,40 @@ def test_bench_train_tiny_cpu_smoke(tmp_path):
     assert "| offload |" in proc.stdout
 
 
+def test_bench_trace_and_its_report(tmp_path):
+    """--trace records the main thread's marks and every host update job of the last two
+    steps; trace_report.py (as the README runs it) turns them into phase tables."""
+    out = tmp_path / "trace.json"
+    cmd = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--tiny", "--device", "cpu",
+           "--job", "full", "--tokens-per-step", "256", "--seq-len", "64", "--steps", "4",
+           "--warmup", "1", "--trace", "--optimizers", "gpu_adamw,offload_grads,offload_grads_early",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = {r["optimizer"]: r for r in json.loads(out.read_text())["results"]}
+    per_step = results["offload_grads"]["trainable_params"]
+    for name in ("offload_grads", "offload_grads_early"):
+        trace = results[name]["trace"]
+        assert [m[0] for m in trace["marks"]].count("opt_step") == 2
+        updated = sum(job[4] for job in trace["jobs"])
+        if name == "offload_grads":  # exactly the two traced steps' updates
+            assert updated == 2 * per_step
+        else:  # plus the tail of the step before, which the first traced forward overlaps
+            assert 2 * per_step <= updated <= 3 * per_step
+        for start, landed, done, pushed, numel, order in trace["jobs"]:
+            assert start <= landed <= done <= pushed and numel > 0 and order >= 0
+    assert "jobs" not in results["gpu_adamw"]["trace"]
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "trace_report.py"), str(out)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert report.stdout.count("| jobs started after |") == 2 and "| 4:opt_step |" in report.stdout
+    # The README's example: the committed 8B trace.
+    committed = REPO / "bench" / "results" / "2026-11-30-x2-s6-llama3_1_8b-full-4096.json"
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "trace_report.py"), str(committed)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert report.returncode == 0 and "### offload_grads_nomaster_early:" in report.stdout
+
+
 def test_added_memory_columns_compare_with_the_floor_run():
     """Peak memory above the no_update run, and that as a share of GPU AdamW's."""
     sys.path.insert(0, str(REPO / "bench"))
