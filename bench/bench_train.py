@@ -135,8 +135,8 @@ OPTIMIZERS = {
     "offload_grads_nomaster_devacc_delayed": lambda m, t, a: _ours(
         m, t, a, offload_gradients=True, master_weights=False, accumulate_on_device=True,
         delayed_update=True),
-    # Exact, with overlap_next_step(early_forward=True): the next forward overlaps the end
-    # of the host update (as --early-forward does for every run of ours).
+    # Exact, with overlap_next_step(early_forward=True), as our recipes do by default: the
+    # next forward overlaps the end of the host update.
     "offload_grads_early": lambda m, t, a: _ours(m, t, a, offload_gradients=True),
     "offload_grads_nomaster_early": lambda m, t, a: _ours(m, t, a, offload_gradients=True,
                                                           master_weights=False),
@@ -271,7 +271,7 @@ def run_single(args, name):
         # there, and the updates start at step(); delayed_update: weights return during
         # the last backward.
         delayed = is_ours and opt.delayed_update
-        early = args.early_forward or name.endswith("_early")
+        early = name.endswith("_early")
         overlap = is_ours and opt.offload_gradients
         from offload_plugin.recipe_utils import overlap_last_backward
 
@@ -505,9 +505,8 @@ def describe(run):
     extra = (f", grad accum {a['grad_accum']}" if a["grad_accum"] > 1 else "") + (
         ", activation checkpointing" if a["activation_checkpointing"] else "") + (
         f", clip {a['clip_grad_norm']}" if a.get("clip_grad_norm") else "") + (
-        ", early_forward" if a.get("early_forward") else "") + (
-        f", host_threads {a['host_threads']}" if a.get("host_threads") else "") + (
-        f", switch interval {a['switch_interval']} s" if a.get("switch_interval") else "")
+        ", early_forward" if a.get("early_forward") else "") + (  # (older runs' flag)
+        f", host_threads {a['host_threads']}" if a.get("host_threads") else "")
     return (f"{model} {a['job']}, {a['tokens_per_step']} tokens/step, seq {a['seq_len']}"
             f"{extra} ({run.get('gpu') or a['device']}, {run['date']})")
 
@@ -594,15 +593,9 @@ def parse_args(argv=None):
     p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                    help=f"comma-separated, from: {', '.join(OPTIMIZERS)}")
     p.add_argument("--clip-grad-norm", type=float, default=None)
-    p.add_argument("--early-forward", action="store_true",
-                   help="ours: overlap_next_step(early_forward=True): step() returns early and "
-                        "each module's next forward waits for its own weights")
     p.add_argument("--trace", action="store_true",
                    help="record a timeline of the last two steps (main thread and, for ours, "
                         "each host update job) in the results")
-    p.add_argument("--switch-interval", type=float, default=None,
-                   help="sys.setswitchinterval(...) in each run (Python's GIL hand-over "
-                        "interval, default 0.005 s)")
     p.add_argument("--measure-host-update", action="store_true",
                    help="also time our optimizer's step() alone (gradients in place)")
     p.add_argument("--seed", type=int, default=0)
@@ -629,8 +622,6 @@ def parse_args(argv=None):
         args.threads = 1
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.switch_interval:
-        sys.setswitchinterval(args.switch_interval)
     return args
 
 
