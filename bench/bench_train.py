@@ -135,7 +135,7 @@ OPTIMIZERS = {
     "offload_grads_nomaster_devacc_delayed": lambda m, t, a: _ours(
         m, t, a, offload_gradients=True, master_weights=False, accumulate_on_device=True,
         delayed_update=True),
-    # Exact, with overlap_next_step(early_forward=True), as our recipes do by default: the
+    # Exact, with overlap_next_step(early_forward=True) (our recipes: early_forward=True): the
     # next forward overlaps the end of the host update.
     "offload_grads_early": lambda m, t, a: _ours(m, t, a, offload_gradients=True),
     "offload_grads_nomaster_early": lambda m, t, a: _ours(m, t, a, offload_gradients=True,

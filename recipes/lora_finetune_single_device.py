@@ -91,10 +91,10 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._metric_logger.log_config(cfg)
         ckpt = self._setup_checkpointer(cfg.checkpointer)
         self._compile = cfg.get("compile", False)
-        # step() returns before the offloaded update ends, the next forward waiting per
-        # module for its weights: exact, and faster on the H200 host (README, Measured).
-        # Not with compiled modules, whose graphs the hook would break.
-        self._early_forward = cfg.get("early_forward", True) and not self._compile
+        # Opt-in: step() returns before the offloaded update ends, the next forward waiting
+        # per module for its weights; faster on the H200 host (README, Measured). Not with
+        # compiled modules, whose graphs the hook would break.
+        self._early_forward = cfg.get("early_forward", False) and not self._compile
         self._model = self._setup_model(cfg.model, ckpt[training.MODEL_KEY], ckpt.get(training.ADAPTER_KEY))
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, ckpt.get(training.OPT_KEY))

@@ -141,7 +141,7 @@ def test_overlapped_updates_match_updates_after_backward(workdir, tmp_path, clip
 
 @pytest.mark.parametrize("kind,accum", [("full", 2), ("lora", 1)])
 def test_early_forward_trains_and_saves_like_waiting_in_step(workdir, tmp_path, kind, accum):
-    """early_forward=True (the recipes' default): step() returns before the host update
+    """early_forward=True (opt-in): step() returns before the host update
     ends and each module's forward waits for its weights. The losses and the saved model
     (adapters for LoRA) are the same bits as with step() waiting."""
     runs, weights = {}, {}

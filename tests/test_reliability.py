@@ -395,5 +395,9 @@ def test_second_backward_after_announcing_the_last_is_refused(mode):
     x, y = batch(5, 0, "cpu")
     opt.overlap_next_step(grad_scale=0.1, clipping=mode == "clipping")
     ((model(x) - y) ** 2).sum().backward()
+    # Let the weights this backward's updates (or, delayed, the last step's) send back land
+    # first: one copied in between the next forward and its backward would make autograd
+    # refuse that backward itself (a weight modified in place), before our check runs.
+    opt._worker.drain()
     with pytest.raises(RuntimeError, match="LAST backward"):
         ((model(x) - y) ** 2).sum().backward()
