@@ -10,7 +10,9 @@ only the host reads stay pageable, which halves the memory to lock at setup.
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -20,7 +22,8 @@ import torch
 
 from offload_plugin.distributed import local_part
 
-__all__ = ["HostSlot", "HostArena", "allocate_landing", "build_slots", "master_dtype_for"]
+__all__ = ["HostSlot", "HostArena", "allocate_landing", "allocate_moments", "build_slots",
+           "master_dtype_for"]
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +37,32 @@ def master_dtype_for(param: torch.Tensor, master_weights: bool) -> torch.dtype:
     return param.dtype
 
 
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+
+
+def _advise_huge_pages(block: torch.Tensor) -> None:
+    """Ask Linux to back ``block`` with 2 MiB pages where it can (transparent huge pages in
+    "madvise" mode, a common default): 512 times fewer pages to fault in and to pin.
+    Best effort: elsewhere, or if refused, the block keeps normal pages."""
+    if not sys.platform.startswith("linux"):
+        return
+    begin = block.data_ptr()
+    start = -(-begin // _HUGE_PAGE) * _HUGE_PAGE
+    end = (begin + block.numel() * block.element_size()) // _HUGE_PAGE * _HUGE_PAGE
+    if end > start:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+
+
 def _pin(block: torch.Tensor) -> bool:
     """Page-lock ``block`` in place (cudaHostRegister); unpinned again when it is freed."""
     cudart = torch.cuda.cudart()
     ptr, nbytes = block.data_ptr(), block.numel() * block.element_size()
+    # Fault the pages in first, on all of this thread's intra-op threads (a parallel
+    # fill): cudaHostRegister would fault them in on one thread. With huge pages too,
+    # 16 GiB took 1.2 s instead of 8.5 s on the H200 machine (bench/pinning.py).
+    block.zero_()
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
         return False
@@ -69,6 +94,7 @@ class HostArena:
         or into it).
         """
         block = torch.empty(sum(numels), dtype=dtype)
+        _advise_huge_pages(block)
         if self.pin and for_transfers and block.numel() > 0 and not _pin(block):
             log.warning(
                 "Could not pin %.2f GiB of host memory; using pageable memory (slower "
@@ -116,6 +142,9 @@ class HostSlot:
     # the host copy describes what ``grad`` holds now.
     extremes: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     extremes_current: bool = False
+    # Adam's exp_avg and exp_avg_sq for ``master`` (views of a block per dtype in huge
+    # pages, see allocate_moments); the update's state takes them when it is created.
+    moments: Optional[tuple[torch.Tensor, torch.Tensor]] = None
     # Position among the optimizer's offloaded parameters (their order: for torchtune's
     # models, the order in which the forward uses them).
     order: int = -1
@@ -199,6 +228,27 @@ def allocate_landing(slots: list[HostSlot], arena: HostArena) -> None:
         views = arena.allocate([s.grad.numel() for s in group], dtype)
         for slot, view in zip(group, views):
             slot.incoming = view.view(slot.grad.shape)
+
+
+def allocate_moments(slots: list[HostSlot]) -> None:
+    """Give each slot ``moments``: two views shaped like its master, from two blocks per
+    dtype asked to be backed by huge pages (see _advise_huge_pages). The update streams
+    through the moments every step beside the transfers' DMA, and per-tensor allocations
+    get few huge pages or none (a bf16 Llama k projection's moment is 2 MiB): 1B training
+    steps ran 6-11% faster with all host memory in huge pages. Nothing is touched here:
+    pages are faulted in when the state is created (zero-filled) at the first update."""
+    by_dtype: dict[torch.dtype, list[HostSlot]] = {}
+    for slot in slots:
+        by_dtype.setdefault(slot.master.dtype, []).append(slot)
+    for dtype, group in by_dtype.items():
+        sizes = [slot.master.numel() for slot in group]
+        blocks = []
+        for _ in range(2):
+            block = torch.empty(sum(sizes), dtype=dtype)
+            _advise_huge_pages(block)
+            blocks.append(block.split(sizes))
+        for slot, m, v in zip(group, *blocks):
+            slot.moments = (m.view(slot.master.shape), v.view(slot.master.shape))
 
 
 def _copy_weights_in(

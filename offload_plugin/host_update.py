@@ -41,13 +41,18 @@ def uses_fused_adam(optimizer: Optimizer, group: dict) -> bool:
     )
 
 
-def _adam_state(optimizer: Optimizer, master: torch.Tensor, amsgrad: bool) -> dict:
-    """The state torch's fused Adam would create for ``master`` (same keys, dtypes, shapes)."""
+def _adam_state(optimizer: Optimizer, slot: HostSlot, amsgrad: bool) -> dict:
+    """The state torch's fused Adam would create for ``slot.master`` (same keys, dtypes,
+    shapes)."""
+    master = slot.master
     state = optimizer.state[master]
     if not state:
         state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        if slot.moments is not None:  # host memory set aside for them (huge pages)
+            state["exp_avg"], state["exp_avg_sq"] = (m.zero_() for m in slot.moments)
+        else:
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
         if amsgrad:
             state["max_exp_avg_sq"] = torch.zeros_like(
                 master, memory_format=torch.preserve_format
@@ -73,7 +78,7 @@ def _fused_adam_update(
     optimizer: Optimizer, group: dict, slot: HostSlot, grad_scale: Optional[float]
 ) -> None:
     amsgrad = group["amsgrad"]
-    state = _adam_state(optimizer, slot.master, amsgrad)
+    state = _adam_state(optimizer, slot, amsgrad)
     state["step"] += 1
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -131,7 +136,7 @@ def _fused_adam_many(
 ) -> None:
     """_fused_adam_update for several slots of one group in one native call (hundreds of
     LoRA adapters: per-slot Python and a thread team per call would dwarf the arithmetic)."""
-    states = [_adam_state(optimizer, slot.master, False) for slot in slots]
+    states = [_adam_state(optimizer, slot, False) for slot in slots]
     if not all(st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous() for st in states):
         for slot in slots:  # e.g. state loaded with another layout
             _fused_adam_update(optimizer, group, slot, grad_scale)

@@ -25,8 +25,10 @@ from offload_plugin.grad_checks import NONFINITE_POLICIES, FiniteRecord, all_fin
 from offload_plugin import distributed, host_memory, native_adam
 from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, local_part
-from offload_plugin.host_buffers import HostArena, HostSlot, allocate_landing, build_slots
-from offload_plugin.host_update import update_slots
+from offload_plugin.host_buffers import (
+    HostArena, HostSlot, allocate_landing, allocate_moments, build_slots,
+)
+from offload_plugin.host_update import update_slots, uses_fused_adam
 from offload_plugin import host_worker
 from offload_plugin.host_worker import HostWorker, JobBatch
 from offload_plugin.transfer import Transfers, min_max_into
@@ -396,6 +398,8 @@ class CPUOffloadOptimizer(Optimizer):
             self._host_optimizer = self.optimizer_cls([host_group], **self._optimizer_kwargs)
         else:
             self._host_optimizer.add_param_group(host_group)
+        if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
+            allocate_moments(slots)  # (the fused path creates Adam's state itself)
         if self._device_share is not None:  # one group per outer group, even if empty
             self._device_share.add_group({k: v for k, v in group.items() if k != "params"}, on_device)
         for slot in slots:
@@ -826,6 +830,7 @@ class CPUOffloadOptimizer(Optimizer):
             self._prenorm = pre
             return
         self._overlap = self._prepare_updates(grad_scale, check_each=True)
+        self._overlap["newest_first"] = self._early_forward
 
     @property
     def overlapping(self) -> bool:
@@ -865,7 +870,7 @@ class CPUOffloadOptimizer(Optimizer):
         # step() can put what is left in forward order (see _return_early).
         plan.update(todo=[], todo_lock=threading.Lock(), queued_numel=0,
                     batch_numel=host_worker.BATCH_NUMEL, ready={}, pushed={},
-                    landed_first=False, pushes_after=None)
+                    landed_first=False, newest_first=False, pushes_after=None)
         return plan
 
     def _set_host_hyperparameters(self, hyper: list[dict]) -> None:
@@ -898,22 +903,42 @@ class CPUOffloadOptimizer(Optimizer):
     def _update_next(self, plan: dict) -> bool:
         """Worker job: update the next batch of queued slots; False if none was left."""
         with plan["todo_lock"]:
-            todo, first = plan["todo"], 0
-            if plan["landed_first"] and todo:
-                # Forward order, but skipping gradients still on their way: the first
-                # parameters of the forward are the last of the backward (the embedding
-                # lands last), and waiting for them would leave the host idle. If none
-                # has landed, wait for the one that lands first: copies land in backward
-                # order, so that is the last one in forward order.
-                first = next((i for i, slot in enumerate(todo) if self._landed(slot)), len(todo) - 1)
-            take, numel = first, 0
-            while take < len(todo) and (take == first or numel < plan["batch_numel"]):
-                numel += todo[take].master.numel()
-                take += 1
-            slots, plan["todo"] = todo[first:take], todo[:first] + todo[take:]
+            todo = plan["todo"]
+            first, end = self._next_batch(plan, todo) if todo else (0, 0)
+            slots, plan["todo"] = todo[first:end], todo[:first] + todo[end:]
         if slots:
             self._update_batch(plan, slots)
         return bool(slots)
+
+    def _next_batch(self, plan: dict, todo: list[HostSlot]) -> tuple[int, int]:
+        """The range of ``todo`` to update next: about ``batch_numel`` elements, at least
+        one slot."""
+        batch_numel = plan["batch_numel"]
+        if plan["newest_first"] and not plan["landed_first"]:
+            # early_forward, during backward (todo in arrival order): the gradient that
+            # landed last, and those before it. What backward leaves is then spread over
+            # the whole model, so the host keeps updating until the next forward reaches
+            # its last layers; oldest first would leave it the early layers only, and
+            # the forward of the later ones would run with the host idle.
+            last = next((i for i in range(len(todo) - 1, -1, -1) if self._landed(todo[i])), 0)
+            first, numel = last, todo[last].master.numel()
+            while first > 0 and numel < batch_numel:
+                first -= 1
+                numel += todo[first].master.numel()
+            return first, last + 1
+        first = 0
+        if plan["landed_first"]:
+            # Forward order, but skipping gradients still on their way: the first
+            # parameters of the forward are the last of the backward (the embedding
+            # lands last), and waiting for them would leave the host idle. If none
+            # has landed, wait for the one that lands first: copies land in backward
+            # order, so that is the last one in forward order.
+            first = next((i for i, slot in enumerate(todo) if self._landed(slot)), len(todo) - 1)
+        end, numel = first + 1, todo[first].master.numel()
+        while end < len(todo) and numel < batch_numel:
+            numel += todo[end].master.numel()
+            end += 1
+        return first, end
 
     @staticmethod
     def _landed(slot: HostSlot) -> bool:
@@ -1407,6 +1432,12 @@ class CPUOffloadOptimizer(Optimizer):
             group.clear()
             group.update({k: v for k, v in saved.items() if k != "params"})
             group["params"] = params
+        for slot in self._slot_list:  # loaded moments go back into their huge pages
+            entry = self._host_optimizer.state.get(slot.master)
+            for key, view in zip(("exp_avg", "exp_avg_sq"), slot.moments or ()):
+                loaded = entry.get(key) if entry else None
+                if loaded is not None and loaded.shape == view.shape and loaded.dtype == view.dtype:
+                    entry[key] = view.copy_(loaded)
         # A master weight comes from the checkpoint when it has one; otherwise from the
         # device weights, which the caller has loaded from the model checkpoint.
         for saved_id, param in param_of.items():

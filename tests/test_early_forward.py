@@ -137,6 +137,26 @@ def test_backlog_left_after_backward_is_updated_in_forward_order(early, monkeypa
     assert (held.order == sorted(held.order)) == early
 
 
+@pytest.mark.parametrize("early", [True, False])
+def test_during_backward_the_newest_gradient_is_updated_first(early, monkeypatch):
+    """With early_forward, updates that run during backward take the gradient that landed
+    last: the parameters left for the next forward are then spread over the model, not
+    bunched in its first layers. (Otherwise in arrival order.)"""
+    monkeypatch.setattr(host_worker, "BATCH_NUMEL", 0)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
+    opt = offload(model, lr=1e-2, offload_gradients=True)
+    held = _HeldUpdates(monkeypatch)
+    opt._worker.submit(lambda: held.release.wait(30))
+    opt.overlap_next_step(grad_scale=0.25, early_forward=early)
+    model(torch.randn(4, 8)).square().sum().backward()
+    held.release.set()
+    opt._worker.drain()  # every update ran before step(): all of them "during backward"
+    newest_first = list(range(12))  # all landed (CPU copies are synchronous): forward order
+    assert held.order == (newest_first if early else newest_first[::-1])
+    opt.step()
+    opt.finish_step()
+
+
 def test_the_next_steps_lr_does_not_reach_updates_still_running(monkeypatch):
     """The scheduler changes the lr after step() returned early; the updates still queued
     use the lr of their own step, and the next step's use the new one."""

@@ -562,3 +562,53 @@ def test_announced_clipping_norm_is_torchs_clip_grad_norm_on_the_device(device):
         opt.zero_grad()
     if device == "cpu":
         assert_same_params(ref_model, model, exact=True)
+
+
+def _huge_page_kib(tensor: torch.Tensor) -> int:
+    """AnonHugePages of the mappings that overlap ``tensor``'s bytes (/proc/self/smaps)."""
+    first = tensor.data_ptr()
+    last = first + tensor.numel() * tensor.element_size()
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start < last and first < end
+            elif inside and head == "AnonHugePages:":
+                total += int(line.split()[1])
+    return total
+
+
+def _thp_mode() -> str:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "unavailable"
+    return text.split("[")[1].split("]")[0]
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise",
+                    reason="needs Linux transparent huge pages in 'madvise' mode (else the "
+                           "kernel decides alone, with or without our advice)")
+def test_host_buffers_and_state_are_backed_by_huge_pages():
+    """The update streams through masters, gradients and moments every step; the optimizer
+    asks for 2 MiB pages for all of them (plain allocations get none in madvise mode)."""
+    params = [nn.Parameter(torch.randn(1 << 22)), nn.Parameter(torch.randn(1 << 22))]
+    plain = torch.zeros(1 << 23)
+    opt = CPUOffloadOptimizer(params, torch.optim.AdamW, lr=1e-3, fused=True)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    slot = opt._slot_of[params[0]]
+    state = opt.state[params[0]]
+    assert _huge_page_kib(plain) == 0  # the control: no advice, no huge pages
+    for tensor in (slot.master, slot.grad, state["exp_avg"], state["exp_avg_sq"]):
+        assert _huge_page_kib(tensor) >= 2048
+    # State loaded from a checkpoint goes back into them, values and all.
+    saved = {k: v.clone() for k, v in state.items()}
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    loaded = opt.state[params[0]]
+    assert loaded["exp_avg_sq"].data_ptr() == slot.moments[1].data_ptr()
+    for key, value in saved.items():
+        torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
