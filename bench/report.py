@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     runs = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
+    runs = [run for run in runs if "args" in run]  # training runs (not bench/pinning.py's)
     print("## Benchmarks\n")
     print("Random-init torchtune models in bf16, random tokens, torchtune's chunked "
           "cross-entropy; step time is the synchronized mean after warm-up steps, peak GPU "
@@ -51,6 +52,7 @@ def main() -> None:
         print(f"<sub>torch {v.get('torch')}, torchtune {v.get('torchtune')}, torchao "
               f"{v.get('torchao')}, bitsandbytes {v.get('bitsandbytes', '-')}; "
               f"commit {(run.get('git_commit') or '?')[:10]}"
+              + (f" ({run['code_note']})" if run.get("code_note") else "")
               + (f"; {run['machine']}" if run.get("machine") else "") + "</sub>\n")
 
 

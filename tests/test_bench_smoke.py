@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 OPTIMIZERS = ["gpu_adamw", "no_update", "offload", "offload_grads", "offload_grads_delayed"]
@@ -96,8 +97,9 @@ def test_host_update_rate_and_report_run(tmp_path):
     report = subprocess.run([sys.executable, str(REPO / "bench" / "report.py")],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0, report.stderr[-2000:]
-    # Every committed result appears, with its ratio column.
-    assert report.stdout.count("### ") == len(list((REPO / "bench" / "results").glob("*.json")))
+    # Every committed training result appears (not other benchmarks'), with its ratio column.
+    runs = [p for p in (REPO / "bench" / "results").glob("*.json") if "args" in json.loads(p.read_text())]
+    assert report.stdout.count("### ") == len(runs)
     assert "| gpu_adamw |" in report.stdout
 
 
@@ -152,3 +154,16 @@ def test_host_contention_runs_on_cpu():
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "update alone (no check), 1 thr" in proc.stdout
     assert "with nothing" in proc.stdout and "with python" in proc.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="bench/pinning.py pins host memory for a CUDA device")
+def test_pinning_benchmark_runs(tmp_path):
+    """bench/pinning.py pins a small block by each method and records the phases."""
+    out = tmp_path / "pinning.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "pinning.py"), "--gib", "0.25",
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"register", "fill+register", "hugepage+fill+register", "cudaHostAlloc"}
+    assert all(r["GBps"] > 0 for r in results.values())
