@@ -2,11 +2,12 @@
 # The GPU-machine runs behind the README's tables, in stages that each fit one 10-minute
 # device call. From the repository root, with the wheels from ../shared/device/fetch-wheels.sh
 # installed (see its header) and `pip install -e .` done:
-#   bash bench/run_h200.sh host     # host-update rate, memory bandwidth, native kernel check
+#   bash bench/run_h200.sh host     # host-update rate, memory bandwidth, native kernel check, pinning methods
 #   bash bench/run_h200.sh 1b       # Llama-3.2-1B full, 4k tokens/step, every optimizer
 #   bash bench/run_h200.sh qlora    # Llama-3.1-8B QLoRA 4k
-#   bash bench/run_h200.sh 8b4k     # Llama-3.1-8B full 4k (and 4k clipped), no master weights (fp32 masters for 8B
-#                                   # need ~128 GB of host memory; this host has 125)
+#   bash bench/run_h200.sh 8b4k     # Llama-3.1-8B full 4k (and 4k clipped), no master weights, and fp32 masters
+#                                   # with early_forward (those need ~128 GB of host memory: the 2-GPU
+#                                   # machine has it; on the one-GPU machine (125 GB) that run is skipped)
 #   bash bench/run_h200.sh 8b16k    # Llama-3.1-8B full 16k (ga 4 + AC), no master weights, with the
 #                                   # opt-in accumulate_on_device and delayed_update modes; each one-GPU
 #                                   # stage's main table has no_update, the floor for "added GiB"
@@ -36,7 +37,8 @@ for stage in "$@"; do
     case $stage in
     host)
         python3 -c "from offload_plugin import native_adam as n; k = n.kernel(); print('one-pass kernel:', 'verified' if k else n._state['reason'])"
-        python3 bench/host_update_rate.py --numel $((1 << 28)) 2>&1 | tee "$OUT/host_update_rate.txt" ;;
+        python3 bench/host_update_rate.py --numel $((1 << 28)) 2>&1 | tee "$OUT/host_update_rate.txt"
+        python3 bench/pinning.py --gib 16 --json "bench/results/$(date +%F)-pinning.json" | tee "$OUT/pinning.txt" ;;
     1b)
         bench llama3_2_1b-full-4096 --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
             --measure-host-update --optimizers gpu_adamw,no_update,offload,offload_grads,offload_grads_early,offload_grads_delayed,offload_nomaster,offload_grads_nomaster,offload_grads_nomaster_early,torchao,bnb_paged8bit
@@ -47,7 +49,7 @@ for stage in "$@"; do
             --optimizers gpu_adamw,no_update,offload_grads,torchao ;;
     8b4k)
         bench llama3_1_8b-full-4096 --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
-            --measure-host-update --steps 5 --optimizers gpu_adamw,no_update,offload_grads_nomaster,offload_grads_nomaster_early,torchao,bnb_paged8bit
+            --measure-host-update --steps 5 --optimizers gpu_adamw,no_update,offload_grads_nomaster,offload_grads_nomaster_early,offload_grads_early,torchao,bnb_paged8bit
         bench llama3_1_8b-full-4096-clip --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
             --clip-grad-norm 1.0 --steps 5 --optimizers gpu_adamw,offload_grads_nomaster ;;
     8b16k)

@@ -72,14 +72,27 @@ class HostWorker:
         # elements, first parameter's position) per update job, in perf_counter seconds.
         self.trace: Optional[list] = None
 
-    def submit(self, job: Callable[[], None], urgent: bool = False) -> None:
-        """Queue ``job``; an ``urgent`` one runs before every queued non-urgent job."""
+    def start(self) -> None:
+        """Start the thread now (else the first ``submit`` does) and return once it has set
+        its thread count.
+
+        ``torch.set_num_threads`` also changes process-wide state (MKL's dynamic
+        threading among it): the bits of later CPU matrix products change on every
+        thread, the training thread's included. Called while the optimizer is built, that
+        happens before training, not at whatever point of a backward the first job
+        arrives."""
         if self._thread is None:
+            ready = threading.Event()
             self._thread = threading.Thread(
-                target=self._run, args=(self._jobs,), name="offload-host-update", daemon=True
+                target=self._run, args=(self._jobs, ready), name="offload-host-update", daemon=True
             )
             self._thread.start()
             _LIVE_WORKERS.add(self)
+            ready.wait()
+
+    def submit(self, job: Callable[[], None], urgent: bool = False) -> None:
+        """Queue ``job``; an ``urgent`` one runs before every queued non-urgent job."""
+        self.start()
         self._jobs.put((_URGENT if urgent else _NORMAL, next(self._order), job))
 
     @property
@@ -107,9 +120,12 @@ class HostWorker:
                 "and optimizer state of the parameters it did not reach are unchanged."
             ) from error
 
-    def _run(self, jobs: queue.PriorityQueue) -> None:
-        if torch.get_num_threads() != self.num_threads:
-            torch.set_num_threads(self.num_threads)
+    def _run(self, jobs: queue.PriorityQueue, ready: threading.Event) -> None:
+        try:
+            if torch.get_num_threads() != self.num_threads:
+                torch.set_num_threads(self.num_threads)
+        finally:
+            ready.set()
         while True:
             _, _, job = jobs.get()
             if job is _STOP:

@@ -425,6 +425,8 @@ class CPUOffloadOptimizer(Optimizer):
         if self.host_threads is None:
             self.host_threads = max(1, threads - 1) if self._transfers.is_async else threads
         self._worker = HostWorker(self.host_threads)
+        if self.host_threads != threads:  # it will set its own count: do it now (see start)
+            self._worker.start()
         if device.type != "cuda":
             log.info(
                 "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the update "

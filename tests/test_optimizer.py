@@ -2,6 +2,8 @@
 
 import copy
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -619,3 +621,40 @@ def test_host_buffers_and_state_are_backed_by_huge_pages():
     assert loaded["exp_avg_sq"].data_ptr() == slot.moments[1].data_ptr()
     for key, value in saved.items():
         torch.testing.assert_close(loaded[key], value, rtol=0, atol=0)
+
+
+_THREAD_COUNT_PROBE = """
+import torch
+from torch import nn
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.demo import tiny_llama
+
+torch.manual_seed(0)
+probe = tiny_llama()
+tokens = torch.randint(0, probe.tok_embeddings.num_embeddings, (2, 200))
+
+def probe_grads():
+    probe.zero_grad(set_to_none=True)
+    probe(tokens).float().logsumexp(-1).sum().backward()
+    return [p.grad.clone() for p in probe.parameters()]
+
+model = nn.Linear(8, 8)
+opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3, host_threads=torch.get_num_threads() + 1)
+before = probe_grads()
+model(torch.randn(4, 8)).sum().backward()
+opt.step()  # the host worker's first job
+after = probe_grads()
+print("same" if all(torch.equal(a, b) for a, b in zip(before, after)) else "changed")
+"""
+
+
+def test_the_worker_sets_its_thread_count_while_the_optimizer_is_built():
+    """torch.set_num_threads also changes process-wide state, and with it the bits of later
+    CPU backward passes on the training thread. The host worker (host_threads other than
+    the training thread's count) makes that call while the optimizer is built, so training
+    itself sees one setting throughout. A fresh interpreter: an earlier call anywhere in
+    this process would hide the change."""
+    run = subprocess.run([sys.executable, "-c", _THREAD_COUNT_PROBE], capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "same"
