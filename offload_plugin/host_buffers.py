@@ -234,8 +234,9 @@ def allocate_moments(slots: list[HostSlot]) -> None:
     """Give each slot ``moments``: two views shaped like its master, from two blocks per
     dtype asked to be backed by huge pages (see _advise_huge_pages). The update streams
     through the moments every step beside the transfers' DMA, and per-tensor allocations
-    get few huge pages or none (a bf16 Llama k projection's moment is 2 MiB): 1B training
-    steps ran 6-11% faster with all host memory in huge pages. Nothing is touched here:
+    get few huge pages or none (a bf16 Llama k projection's moment is 2 MiB). With all host
+    memory in huge pages, 1B training steps on the H200 machine took 6-8% less time than
+    with default pages (bench/results/2026-11-30-x2-s7-ab-*). Nothing is touched here:
     pages are faulted in when the state is created (zero-filled) at the first update."""
     by_dtype: dict[torch.dtype, list[HostSlot]] = {}
     for slot in slots:
