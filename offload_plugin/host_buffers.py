@@ -41,18 +41,27 @@ _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
 
-def _advise_huge_pages(block: torch.Tensor) -> None:
+def _advise_huge_pages(block: torch.Tensor) -> bool:
     """Ask Linux to back ``block`` with 2 MiB pages where it can (transparent huge pages in
     "madvise" mode, a common default): 512 times fewer pages to fault in and to pin.
-    Best effort: elsewhere, or if refused, the block keeps normal pages."""
+    Best effort: elsewhere, or if refused, the block keeps normal pages. Returns whether
+    the advice was taken."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     begin = block.data_ptr()
     start = -(-begin // _HUGE_PAGE) * _HUGE_PAGE
     end = (begin + block.numel() * block.element_size()) // _HUGE_PAGE * _HUGE_PAGE
-    if end > start:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE)
+    if end <= start:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_HUGEPAGE) == 0
+
+
+def _huge_page_block(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized flat host block, advised to use huge pages (nothing touched yet)."""
+    block = torch.empty(numel, dtype=dtype)
+    _advise_huge_pages(block)
+    return block
 
 
 def _pin(block: torch.Tensor) -> bool:
@@ -93,8 +102,7 @@ class HostArena:
         The block is pinned if the arena pins and ``for_transfers`` (the GPU copies from
         or into it).
         """
-        block = torch.empty(sum(numels), dtype=dtype)
-        _advise_huge_pages(block)
+        block = _huge_page_block(sum(numels), dtype)
         if self.pin and for_transfers and block.numel() > 0 and not _pin(block):
             log.warning(
                 "Could not pin %.2f GiB of host memory; using pageable memory (slower "
@@ -243,11 +251,7 @@ def allocate_moments(slots: list[HostSlot]) -> None:
         by_dtype.setdefault(slot.master.dtype, []).append(slot)
     for dtype, group in by_dtype.items():
         sizes = [slot.master.numel() for slot in group]
-        blocks = []
-        for _ in range(2):
-            block = torch.empty(sum(sizes), dtype=dtype)
-            _advise_huge_pages(block)
-            blocks.append(block.split(sizes))
+        blocks = [_huge_page_block(sum(sizes), dtype).split(sizes) for _ in range(2)]
         for slot, m, v in zip(group, *blocks):
             slot.moments = (m.view(slot.master.shape), v.view(slot.master.shape))
 
