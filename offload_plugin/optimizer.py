@@ -987,7 +987,8 @@ class CPUOffloadOptimizer(Optimizer):
             update_slots(self._host_optimizer, plan["groups"], finite, grad_scale)
             updated = time.perf_counter() if trace is not None else 0.0
             self._last_push = self._transfers.to_device(
-                [(slot.weight_source(), slot.device_weight()) for slot in finite],
+                # The parameters themselves: detaching each would cost the GIL a round trip.
+                [(slot.weight_source(), local_part(slot.param)) for slot in finite],
                 after=plan["pushes_after"],
             )
             for slot in finite:

@@ -167,3 +167,19 @@ def test_pinning_benchmark_runs(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"register", "fill+register", "hugepage+fill+register", "cudaHostAlloc"}
     assert all(r["GBps"] > 0 for r in results.values())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="bench/copy_issue_cost.py issues copies to a CUDA device")
+def test_copy_issue_cost_benchmark_runs(tmp_path):
+    """bench/copy_issue_cost.py times both ways of issuing copies, alone and beside a
+    thread launching kernels."""
+    out = tmp_path / "issue.json"
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "copy_issue_cost.py"), "--mib", "1",
+                          "--pieces", "2", "--reps", "3", "--json", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert {(r["neighbour"], r["path"]) for r in rows} == {
+        (n, p) for n in ("idle", "busy_neighbour") for p in ("runtime", "torch")}
+    assert all(r["median_us"] > 0 for r in rows)

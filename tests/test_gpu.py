@@ -4,11 +4,13 @@ The reference-twin tests elsewhere also run on CUDA; these check what only a GPU
 """
 
 import copy
+import threading
 
 import pytest
 import torch
 from torch import nn
 
+from offload_plugin.transfer import Transfers
 from reference_twin import CUDA, offload, trainable
 
 pytestmark = CUDA
@@ -73,3 +75,48 @@ def test_offload_gradients_frees_device_memory():
     freed, _ = peak(True)
     assert kept >= grad_bytes
     assert freed < kept - 0.5 * grad_bytes, (freed, kept, grad_bytes)
+
+
+def _pinned(*shape, value):
+    return torch.full(shape, float(value)).pin_memory()
+
+
+def test_weight_copies_go_through_the_cuda_runtime_and_wait_for_after():
+    """Copies to the device are issued through torch's CUDA runtime (the fast path the
+    benchmarks measure) and each waits for its ``after`` event: the compute stream sleeps,
+    then overwrites the destination; a copy that did not wait would be overwritten."""
+    transfers = Transfers(torch.device("cuda"))
+    assert transfers._runtime is not None, "torch's libcudart was not found in this process"
+    srcs = [_pinned(1024, 256, value=i + 1) for i in range(3)]
+    dsts = [torch.empty(1024, 256, device="cuda") for _ in range(3)]
+    events = []
+    for src, dst in zip(srcs, dsts):  # each copy after a new `after` (none may be skipped)
+        torch.cuda._sleep(50_000_000)
+        dst.fill_(-1)
+        after = transfers.mark_compute()
+        events.append(transfers.to_device([(src, dst)], after=after))
+        transfers.to_device([(src, dst)], after=after)  # the same `after` again
+    transfers.order_compute_after(events[-1])
+    for src, dst in zip(srcs, dsts):
+        assert torch.equal(dst.cpu(), src)
+
+
+def test_a_strided_destination_goes_through_torch():
+    transfers = Transfers(torch.device("cuda"))
+    src = torch.arange(32.0).reshape(4, 8).pin_memory()
+    dst = torch.zeros(8, 4, device="cuda").t()  # not contiguous
+    transfers.order_compute_after(transfers.to_device([(src, dst)]))
+    assert torch.equal(dst.cpu(), src)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_weight_copies_reach_the_second_gpu_from_any_thread():
+    """The host worker starts on device 0; a copy to cuda:1 must still land there."""
+    transfers = Transfers(torch.device("cuda", 1))
+    src, dst = _pinned(256, value=7), torch.zeros(256, device="cuda:1")
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(event=transfers.to_device([(src, dst)])))
+    thread.start()
+    thread.join()
+    transfers.order_compute_after(result["event"])
+    assert torch.equal(dst.cpu(), src)
