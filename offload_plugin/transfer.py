@@ -29,10 +29,11 @@ class _CudaRuntime:
 
     The host update thread sends each batch of updated weights to the device while the
     training thread runs Python to launch kernels. Through torch, each call (the stream
-    switch, each copy, the event) gives the GIL up and waits to get it back: a batch cost
-    22-54 us alone and 42-110 us beside a thread launching kernels, against 9-32 us and
-    11-50 us this way (bench/copy_issue_cost.py, H200 machine). Over a Llama-3.1-8B step
-    that took the host update thread's time in issuing copies from about 0.045 s to 0.02 s.
+    switch, each copy, the event) gives the GIL up and waits to get it back: a batch of 1-4
+    copies cost 34-98 us alone and 59-171 us beside a thread launching kernels, against
+    14-57 us and 19-75 us this way (bench/copy_issue_cost.py on the H200 machine,
+    bench/results/2026-11-30-x2-s8-copy_issue_cost.json). Over a Llama-3.1-8B 4k step the
+    host worker's time issuing copies went from about 0.045 s to 0.02 s (one A/B, traced).
     A separate issuing thread was tried first: steps got no faster and the update ran
     slower beside it (one thread more on the cores that the update's OpenMP team fills).
     """
