@@ -120,7 +120,7 @@ def _fused_adam_update(
 
 
 def _one_native_call(slot: HostSlot, group: dict) -> bool:
-    """Whether ``slot`` can share one native call with others (step_many): the one-pass
+    """Whether ``slot`` can go through step_many (alone or with others): the one-pass
     kernel applies to all of it (no torch tail) and its buffers are contiguous."""
     master, stage = slot.master, slot.weight_stage
     native = _native_kernel(master, slot.grad, stage, group["amsgrad"])
@@ -177,16 +177,16 @@ def update_slots(
         group = group_of[slot.master]
         if not uses_fused_adam(optimizer, group):
             generic.append(slot)
-        elif len(slots) > 1 and _one_native_call(slot, group):
+        elif _one_native_call(slot, group):
+            # Even alone: _fused_adam_update's views and step arithmetic are torch calls that
+            # each give up the GIL, and the training thread launching kernels delays every
+            # return; this path makes two.
             key = (id(group), slot.master.dtype, slot.weight_stage is None)
             together.setdefault(key, (group, []))[1].append(slot)
         else:
             _fused_adam_update(optimizer, group, slot, grad_scale)
     for group, batch in together.values():
-        if len(batch) == 1:
-            _fused_adam_update(optimizer, group, batch[0], grad_scale)
-        else:
-            _fused_adam_many(optimizer, group, batch, grad_scale)
+        _fused_adam_many(optimizer, group, batch, grad_scale)
     if not generic:
         return
     for slot in generic:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import math
 import threading
 import time
 from collections.abc import MutableMapping
@@ -527,7 +528,8 @@ class CPUOffloadOptimizer(Optimizer):
     def _landed_grad_finite(self, slot: HostSlot) -> bool:
         """Whether ``slot``'s settled host gradient is free of inf/NaN."""
         if slot.extremes_current:  # inf and NaN propagate to the minimum or maximum
-            return all_finite([slot.extremes[1]])
+            # Two numbers: read in Python, where a torch or native call would give up the GIL.
+            return all(math.isfinite(x) for x in slot.extremes[1].tolist())
         return all_finite([slot.grad])
 
     def _give_landing_buffers(self) -> None:

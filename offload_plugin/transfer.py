@@ -204,7 +204,9 @@ class Transfers:
     @staticmethod
     def wait(event: Optional[object]) -> None:
         """Block the host until ``event`` (from to_host/to_device) has completed."""
-        if event is not None:
+        # query() keeps the GIL; synchronize() gives it up and must win it back from a
+        # training thread launching kernels, even for a copy that landed long ago.
+        if event is not None and not event.query():
             event.synchronize()
 
 

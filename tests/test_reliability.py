@@ -100,7 +100,7 @@ def test_nonfinite_during_overlapped_updates_spares_that_parameter(value, caplog
     torch.testing.assert_close(opt._slot_of[bad].master, master, rtol=0, atol=0)
     torch.testing.assert_close(opt.state[bad]["exp_avg"], state["exp_avg"], rtol=0, atol=0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
-    assert len(scanned) == 4 and all(t.numel() == 2 for t in scanned)
+    assert scanned == []  # no pass over a gradient: its two extremes are read directly
 
 
 def test_overlapped_update_checks_the_accumulated_sum_not_the_last_micro_batch(caplog):
