@@ -2,12 +2,13 @@
 
 On CUDA, gradients go to the host on one side stream and weights come back on another,
 so both directions overlap compute and each other; within a direction copies run in the
-order they were issued. Copies to the device are issued through the CUDA runtime that torch
-loaded, with the GIL held (see _CudaRuntime). Each copy first waits for the work already queued on the compute
-stream, so it sees whatever the recipe did to ``.grad`` or the weights before it. Host
-buffers are reused only after the host has waited for the copies that touch them (see
-CPUOffloadOptimizer.step). On any other device the copies are plain synchronous ``copy_`` calls: the
-same code path, minus the overlap, which is what CPU-only CI exercises.
+order they were issued. Copies to the device are issued through the CUDA runtime that
+torch loaded, with the GIL held (see _CudaRuntime). Each copy first waits for the work
+already queued on the compute stream, so it sees whatever the recipe did to ``.grad`` or
+the weights before it. Host buffers are reused only after the host has waited for the
+copies that touch them (see CPUOffloadOptimizer.step). On any other device the copies are
+plain synchronous ``copy_`` calls: the same code path, minus the overlap, which is what
+CPU-only CI exercises.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ class _CudaRuntime:
     host worker's time issuing copies went from about 0.045 s to 0.02 s (one A/B, traced).
     A separate issuing thread was tried first: steps got no faster and the update ran
     slower beside it (one thread more on the cores that the update's OpenMP team fills).
+
+    Unlike ``copy_``, these writes leave the parameters' version counters alone. Nothing
+    autograd saved can see them: a weight is sent only after the backward that read it
+    (its gradient hook has fired), and the next forward saves it after its copy.
     """
 
     _lock = threading.Lock()
@@ -71,9 +76,6 @@ class _CudaRuntime:
         self._memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                  ctypes.c_void_p]
         self._memcpy.restype = ctypes.c_int
-        self._set_device = lib.cudaSetDevice
-        self._set_device.argtypes = [ctypes.c_int]
-        self._set_device.restype = ctypes.c_int
         self._error_string = lib.cudaGetErrorString
         self._error_string.argtypes = [ctypes.c_int]
         self._error_string.restype = ctypes.c_char_p
@@ -85,11 +87,13 @@ class _CudaRuntime:
     def copy_to_device(self, pairs: list, device_index: int, stream: int) -> None:
         """Enqueue each ``(host_src, device_dst)`` on ``stream`` (both contiguous, same size)."""
         # The calling thread's current device may be another (a thread starts on device 0).
-        self._check(self._set_device(device_index), "cudaSetDevice")
-        for src, dst in pairs:
-            nbytes = src.numel() * src.element_size()
-            self._check(self._memcpy(dst.data_ptr(), src.data_ptr(), nbytes, _H2D, stream),
-                        "cudaMemcpyAsync to the device")
+        # torch's guard switches and back without making a context on a device this
+        # process does not use (cudaSetDevice would, since CUDA 12).
+        with torch.cuda.device(device_index):
+            for src, dst in pairs:
+                nbytes = src.numel() * src.element_size()
+                self._check(self._memcpy(dst.data_ptr(), src.data_ptr(), nbytes, _H2D, stream),
+                            "cudaMemcpyAsync to the device")
 
 
 def _plain_pair(src: torch.Tensor, dst: torch.Tensor) -> bool:
