@@ -66,6 +66,7 @@ class HostWorker:
         self._order = itertools.count()  # FIFO within a priority; jobs are never compared
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
+        self._stopper: Optional[weakref.finalize] = None
         self.busy_s = 0.0  # seconds spent in jobs so far (benchmarks compare it to step time)
         self.waited_s = 0.0  # of which update jobs waited for their gradients' copies
         # Benchmarks set a list here to get (start, gradients landed, updated, pushed,
@@ -83,11 +84,18 @@ class HostWorker:
         arrives."""
         if self._thread is None:
             ready = threading.Event()
+            # The thread holds only a weak reference to this worker: once the worker is
+            # garbage (its optimizer was dropped), the finalizer tells the thread to stop.
+            # Else every optimizer built in a process would leave its thread, and that
+            # thread's OpenMP team, waiting until exit.
             self._thread = threading.Thread(
-                target=self._run, args=(self._jobs, ready), name="offload-host-update", daemon=True
+                target=_serve, args=(weakref.ref(self), self._jobs, self.num_threads, ready),
+                name="offload-host-update", daemon=True,
             )
             self._thread.start()
             _LIVE_WORKERS.add(self)
+            self._stopper = weakref.finalize(
+                self, self._jobs.put, (_LAST, next(self._order), _STOP))
             ready.wait()
 
     def submit(self, job: Callable[[], None], urgent: bool = False) -> None:
@@ -103,6 +111,9 @@ class HostWorker:
     def close(self) -> None:
         """Finish the submitted jobs and stop the thread (a later submit starts a new one)."""
         thread, self._thread = self._thread, None
+        if self._stopper is not None:
+            self._stopper.detach()
+            self._stopper = None
         if thread is not None and thread.is_alive():
             self._jobs.put((_LAST, next(self._order), _STOP))
             thread.join()
@@ -120,26 +131,36 @@ class HostWorker:
                 "and optimizer state of the parameters it did not reach are unchanged."
             ) from error
 
-    def _run(self, jobs: queue.PriorityQueue, ready: threading.Event) -> None:
+
+def _serve(
+    worker_ref: "weakref.ref[HostWorker]", jobs: queue.PriorityQueue, num_threads: int,
+    ready: threading.Event,
+) -> None:
+    """A HostWorker's thread: run jobs until told to stop, holding the worker only while a
+    job runs."""
+    try:
+        if torch.get_num_threads() != num_threads:
+            torch.set_num_threads(num_threads)
+    finally:
+        ready.set()
+    while True:
+        _, _, job = jobs.get()
+        if job is _STOP:
+            jobs.task_done()
+            return
+        worker = worker_ref()
         try:
-            if torch.get_num_threads() != self.num_threads:
-                torch.set_num_threads(self.num_threads)
+            if worker is not None and worker._error is None:
+                start = time.perf_counter()
+                job()
+                worker.busy_s += time.perf_counter() - start
+        except BaseException as error:  # re-raised in the training thread by drain()
+            worker._error = error
         finally:
-            ready.set()
-        while True:
-            _, _, job = jobs.get()
-            if job is _STOP:
-                jobs.task_done()
-                return
-            try:
-                if self._error is None:
-                    start = time.perf_counter()
-                    job()
-                    self.busy_s += time.perf_counter() - start
-            except BaseException as error:  # re-raised in the training thread by drain()
-                self._error = error
-            finally:
-                jobs.task_done()
+            # Nothing of the job (it holds the optimizer) or the worker stays referenced here
+            # while the thread waits for the next one.
+            job = worker = None
+            jobs.task_done()
 
 
 class JobBatch:

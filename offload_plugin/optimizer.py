@@ -8,6 +8,7 @@ import logging
 import math
 import threading
 import time
+import weakref
 from collections.abc import MutableMapping
 from functools import partial
 from itertools import chain
@@ -75,6 +76,24 @@ def _resolve_optimizer_cls(optimizer_cls: Union[str, type]) -> type:
             f"{_UNSUPPORTED[optimizer_cls.__name__]}."
         )
     return optimizer_cls
+
+
+class _GradHook:
+    """A parameter's post-accumulate-grad hook that reaches the optimizer through a weak
+    reference. The parameter holds its hooks and the optimizer holds the parameter; with
+    a bound method in between, a dropped model and optimizer were never collected (torch
+    2.13: the cycle runs through the tensor's hook table), and with them the host memory
+    and the host worker's thread."""
+
+    __slots__ = ("_optimizer",)
+
+    def __init__(self, optimizer: "CPUOffloadOptimizer") -> None:
+        self._optimizer = weakref.ref(optimizer)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            optimizer._on_grad_accumulated(param)
 
 
 def _check_dense(grad: torch.Tensor) -> None:
@@ -409,7 +428,7 @@ class CPUOffloadOptimizer(Optimizer):
             self._slot_of[slot.param] = slot
             if self.offload_gradients:
                 self._hooks.append(
-                    slot.param.register_post_accumulate_grad_hook(self._on_grad_accumulated)
+                    slot.param.register_post_accumulate_grad_hook(_GradHook(self))
                 )
         self._meshes = distributed.meshes_of(s.param for s in self._slot_list)
         self._counts["kept"] += len(all_params)

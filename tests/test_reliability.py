@@ -329,6 +329,33 @@ def test_host_worker_runs_urgent_jobs_before_queued_updates():
     assert worker.busy_s > 0
 
 
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_a_dropped_optimizer_is_freed_and_stops_its_host_thread(offload_gradients):
+    """Dropping the model and the optimizer frees the optimizer (its host memory) and ends
+    its host worker's thread (with its OpenMP team), so a process that builds many (a
+    sweep, a notebook) does not keep them all."""
+    import gc
+    import threading
+    import weakref
+
+    def worker_threads():
+        return {t for t in threading.enumerate() if t.name == "offload-host-update"}
+
+    before = worker_threads()
+    model = make_model()
+    opt = offload(model, lr=1e-2, offload_gradients=offload_gradients)
+    train(model, opt, 2, via_optimizer=True)
+    started = worker_threads() - before
+    assert len(started) == 1
+    freed = weakref.ref(opt)
+    del model, opt
+    gc.collect()
+    assert freed() is None
+    for thread in started:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
 @pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
 def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(delayed):
     """With offload_gradients, each micro-batch's gradient is added to the host sum by the
