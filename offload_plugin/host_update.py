@@ -134,8 +134,9 @@ def _one_native_call(slot: HostSlot, group: dict) -> bool:
 def _fused_adam_many(
     optimizer: Optimizer, group: dict, slots: list[HostSlot], grad_scale: Optional[float]
 ) -> None:
-    """_fused_adam_update for several slots of one group in one native call (hundreds of
-    LoRA adapters: per-slot Python and a thread team per call would dwarf the arithmetic)."""
+    """_fused_adam_update for one or several slots of one group in one native call
+    (hundreds of LoRA adapters: per-slot Python and a thread team per call would dwarf the
+    arithmetic; for one slot, two torch calls instead of its views and step arithmetic)."""
     states = [_adam_state(optimizer, slot, False) for slot in slots]
     if not all(st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous() for st in states):
         for slot in slots:  # e.g. state loaded with another layout
