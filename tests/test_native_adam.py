@@ -426,3 +426,27 @@ def test_step_many_refuses_tensors_it_cannot_update():
         kernel.step_many([f(128)[::2]], [g(64)], [f(64)], [f(64)], None, [1.0], **kw)  # strided
     with pytest.raises(ValueError, match="fp32 masters"):
         kernel.step_many([g(64)], [g(64)], [g(64)], [g(64)], [g(64)], [1.0], **kw)  # bf16 with weight_out
+
+
+@needs_compiler
+@pytest.mark.parametrize("offset", [0, 1, 3, 8])
+def test_bf16_weights_written_to_any_address_match_and_stay_in_bounds(offset):
+    """The kernel writes the new bf16 weights through a staging block with streaming stores
+    where the destination is 16-byte aligned, and ordinary stores elsewhere: a destination
+    that starts off alignment (offset elements into a buffer), over several staging blocks
+    and threads, receives exactly the rounded masters, and the elements around it are untouched."""
+    kernel = native_adam.kernel()
+    n = kernel.align(torch.float32) * 257  # several 2048-element staging blocks, odd count
+    gen = torch.Generator().manual_seed(5)
+    master = torch.randn(n, generator=gen)
+    grad = torch.randn(n, generator=gen).to(torch.bfloat16)
+    m, v = torch.zeros(n), torch.zeros(n)
+    sentinel = torch.tensor(-7.0, dtype=torch.bfloat16)
+    buffer = torch.full((n + 16,), sentinel.item(), dtype=torch.bfloat16)
+    out = buffer[offset:offset + n]
+    kernel.step(master, grad, m, v, out, lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01,
+                eps=1e-8, step=1.0, adamw=True, maximize=False, grad_scale=None,
+                num_threads=max(2, torch.get_num_threads()))
+    assert torch.equal(out, master.to(torch.bfloat16))
+    assert torch.equal(buffer[:offset], sentinel.expand(offset))
+    assert torch.equal(buffer[offset + n:], sentinel.expand(16 - offset))
