@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import gc
 import importlib
 import importlib.metadata
 import importlib.util
@@ -229,6 +230,29 @@ def _trace_result(marks, jobs):
     return out
 
 
+class _GcPauses:
+    """Seconds Python's cyclic collector ran in each step (gc.callbacks), to tell its pauses
+    from the optimizer's own step-to-step spread."""
+
+    def __init__(self):
+        self.per_step, self._now, self._start = [], 0.0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self._now += time.perf_counter() - self._start
+            self._start = None
+
+    def end_step(self):
+        self.per_step.append(round(self._now, 6))
+        self._now = 0.0
+
+    def close(self):
+        gc.callbacks.remove(self._callback)
+
+
 def run_single(args, name):
     """Train with one optimizer in this process; returns the result dict."""
     from torchtune import training
@@ -315,6 +339,7 @@ def run_single(args, name):
                     torch.nn.utils.clip_grad_norm_(trainable, args.clip_grad_norm)
 
         times, losses = [], []
+        gc_pauses = _GcPauses()  # Python's collector stops every thread holding the GIL
         busy = [opt._worker.busy_s] if is_ours else []  # host worker's job seconds so far
         waited = [opt._worker.waited_s] if is_ours else []  # ...spent waiting for copies
         for step in range(args.steps):
@@ -335,6 +360,7 @@ def run_single(args, name):
             # forward overlaps it, so every timed step holds one step's updates.)
             sync(dev)
             times.append(time.perf_counter() - t0)
+            gc_pauses.end_step()
             losses.append(total.item() / args.tokens_per_step)
             if is_ours:
                 busy.append(opt._worker.busy_s)
@@ -347,6 +373,8 @@ def run_single(args, name):
             res["trace"] = _trace_result(marks, opt._worker.trace if is_ours else None)
             if is_ours:
                 opt._worker.trace = None
+        gc_pauses.close()
+        res["gc_s_per_step"] = gc_pauses.per_step
         timed = times[args.warmup:]
         res.update(step_times=times, losses=losses, step_s=sum(timed) / len(timed))
         res["tokens_per_s"] = args.tokens_per_step / res["step_s"]
