@@ -28,7 +28,7 @@ def test_bench_train_tiny_cpu_smoke(tmp_path):
     for name, r in results.items():
         assert "error" not in r, f"{name}: {r['error']}"
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["host_rss_gib"] > 0, name
-        assert len(r["losses"]) == 3
+        assert len(r["losses"]) == 3 and len(r["gc_s_per_step"]) == 3
     # Same model, same data: the first loss (before any update) is identical for all.
     assert len({r["losses"][0] for r in results.values()}) == 1
     # The memory floor run updates nothing: the same batch gives the same loss every step.
@@ -38,6 +38,24 @@ def test_bench_train_tiny_cpu_smoke(tmp_path):
     assert results["offload"]["host_update_s"] > 0
     assert run["cpu_adamw_reference"]["gparams_s"] > 0
     assert "| offload |" in proc.stdout
+
+
+def test_gc_pauses_are_counted_in_the_step_they_happen():
+    """bench_train's gc_s_per_step: a collection run in a step is timed in that step only,
+    and the recorder leaves gc.callbacks as it found them."""
+    import gc
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_train
+
+    before = list(gc.callbacks)
+    pauses = bench_train._GcPauses()
+    gc.collect()
+    pauses.end_step()
+    pauses.end_step()
+    pauses.close()
+    assert pauses.per_step[0] > 0 and pauses.per_step[1] == 0.0
+    assert gc.callbacks == before
 
 
 def test_bench_trace_and_its_report(tmp_path):
