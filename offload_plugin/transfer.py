@@ -14,7 +14,7 @@ CPU-only CI exercises.
 from __future__ import annotations
 
 import ctypes
-import threading
+import functools
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -43,20 +43,11 @@ class _CudaRuntime:
     (its gradient hook has fired), and the next forward saves it after its copy.
     """
 
-    _lock = threading.Lock()
-    _loaded: dict = {}
-
     @classmethod
+    @functools.cache  # (two threads racing on the first call both find the same library)
     def load(cls) -> Optional["_CudaRuntime"]:
         """The runtime, or None where torch's is not a shared library found in this
         process (then copies go through torch)."""
-        with cls._lock:
-            if "runtime" not in cls._loaded:
-                cls._loaded["runtime"] = cls._find()
-            return cls._loaded["runtime"]
-
-    @classmethod
-    def _find(cls) -> Optional["_CudaRuntime"]:
         if torch.version.cuda is None:
             return None
         try:
