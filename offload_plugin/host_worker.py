@@ -7,10 +7,11 @@ in submission order. An exception inside a job is kept and raised again,
 with the original traceback attached, from the next ``drain()``: nothing fails silently
 and nothing hangs. Jobs after a failed one are skipped.
 
-At interpreter exit every worker is stopped and joined (``atexit``): a daemon thread
-still alive when Python finalizes is torn down with ``pthread_exit``, which aborts the
-process ("terminate called without an active exception") if it unwinds through C++
-frames, e.g. a torch kernel or the OpenMP runtime.
+At interpreter exit every worker is stopped and every worker thread joined (``atexit``),
+including the thread of a worker already collected, which may still be freeing its
+optimizer: a daemon thread still alive when Python finalizes is torn down with
+``pthread_exit``, which aborts the process ("terminate called without an active
+exception") if it unwinds through C++ frames, e.g. a torch kernel or the OpenMP runtime.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ BATCH_NUMEL = 1 << 22
 
 
 _LIVE_WORKERS: "weakref.WeakSet[HostWorker]" = weakref.WeakSet()
+_LIVE_THREADS: "set[threading.Thread]" = set()  # worker threads not finished yet
 _STOP = object()  # queue sentinel: leave the loop
 _URGENT, _NORMAL, _LAST = 0, 1, 2  # queue priorities
 
@@ -43,6 +45,10 @@ _URGENT, _NORMAL, _LAST = 0, 1, 2  # queue priorities
 def _stop_all_workers() -> None:
     for worker in list(_LIVE_WORKERS):
         worker.close()
+    # The threads of workers already collected got their stop from the worker's
+    # finalizer, but may still be running (freeing that worker's optimizer).
+    for thread in list(_LIVE_THREADS):
+        thread.join()
 
 
 atexit.register(_stop_all_workers)
@@ -92,6 +98,7 @@ class HostWorker:
                 target=_serve, args=(weakref.ref(self), self._jobs, self.num_threads, ready),
                 name="offload-host-update", daemon=True,
             )
+            _LIVE_THREADS.add(self._thread)
             self._thread.start()
             _LIVE_WORKERS.add(self)
             self._stopper = weakref.finalize(
@@ -138,6 +145,16 @@ def _serve(
 ) -> None:
     """A HostWorker's thread: run jobs until told to stop, holding the worker only while a
     job runs."""
+    try:
+        _serve_jobs(worker_ref, jobs, num_threads, ready)
+    finally:
+        _LIVE_THREADS.discard(threading.current_thread())
+
+
+def _serve_jobs(
+    worker_ref: "weakref.ref[HostWorker]", jobs: queue.PriorityQueue, num_threads: int,
+    ready: threading.Event,
+) -> None:
     try:
         if torch.get_num_threads() != num_threads:
             torch.set_num_threads(num_threads)

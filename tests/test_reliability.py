@@ -356,6 +356,36 @@ def test_a_dropped_optimizer_is_freed_and_stops_its_host_thread(offload_gradient
         assert not thread.is_alive()
 
 
+def test_exit_joins_the_thread_of_a_worker_already_collected():
+    """At exit (atexit), a worker thread is joined even when its worker is gone: the thread
+    may still be freeing that worker's optimizer, and a daemon thread caught in C++ code by
+    the interpreter's shutdown aborts the process. Here the thread frees the last
+    reference to the worker, whose attribute takes a while to go."""
+    import threading
+    import time
+
+    from offload_plugin import host_worker
+
+    freeing = threading.Event()
+
+    class SlowToFree:
+        def __del__(self):
+            freeing.set()
+            time.sleep(0.5)
+
+    worker = host_worker.HostWorker(1)
+    worker.payload = SlowToFree()
+    running, gate = threading.Event(), threading.Event()
+    worker.submit(lambda: running.set() or gate.wait())
+    thread = worker._thread
+    assert running.wait(10)
+    del worker  # the running job's thread holds the last reference now
+    gate.set()
+    assert freeing.wait(10)  # the worker is gone; its thread is still freeing it
+    host_worker._stop_all_workers()
+    assert not thread.is_alive()
+
+
 @pytest.mark.parametrize("delayed", [False, True], ids=["exact", "delayed"])
 def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(delayed):
     """With offload_gradients, each micro-batch's gradient is added to the host sum by the
