@@ -17,7 +17,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin.host_buffers import master_dtype_for
+from offload_plugin.host_buffers import master_dtype_for, weight_mark
 
 __all__ = ["DeviceShare", "choose_kept"]
 
@@ -62,6 +62,9 @@ class DeviceShare:
         self._master_weights = master_weights
         self.optimizer: Optional[Optimizer] = None
         self.target: dict[torch.Tensor, torch.Tensor] = {}  # param -> what the optimizer updates
+        # weight_mark of each parameter with a master when the master last matched it
+        # (see weight_sync); the optimizer's own writes go through .data and leave it.
+        self._marks: dict[torch.Tensor, tuple] = {}
 
     def __contains__(self, param: torch.Tensor) -> bool:
         return param in self.target
@@ -70,6 +73,8 @@ class DeviceShare:
         for p in params:
             dtype = master_dtype_for(p, self._master_weights)
             self.target[p] = p if dtype == p.dtype else p.detach().to(dtype).requires_grad_()
+            if self.target[p] is not p:
+                self._marks[p] = weight_mark(p)
         group = dict(hyperparameters, params=[self.target[p] for p in params])
         if self.optimizer is None:
             self.optimizer = self._cls([group], **self._kwargs)
@@ -85,12 +90,25 @@ class DeviceShare:
         return [p.grad for p in params if p in self.target and p.grad is not None]
 
     @torch.no_grad()
+    def adopt_changed_weights(self, all_params: bool = False) -> None:
+        """Masters follow weights changed outside the optimizer (as in weight_sync, on the
+        device): unless a weight is still exactly its master rounded. Parameters without a
+        master are updated in place by the optimizer, as torch's are."""
+        for p, mark in self._marks.items():
+            if all_params or weight_mark(p) != mark:
+                target = self.target[p]
+                if not torch.equal(target.to(p.dtype).view(torch.int16), p.detach().view(torch.int16)):
+                    target.copy_(p)
+                self._marks[p] = weight_mark(p)
+
+    @torch.no_grad()
     def step(self, outer_groups: list[dict], grad_scale: Optional[float] = None) -> None:
         """Update the kept parameters that have a gradient; ``grad_scale`` multiplies each
         gradient first (in the gradient's dtype, rounded as scale_grads would, as the host
         update does)."""
         for outer, inner in zip(outer_groups, self.optimizer.param_groups):
             inner.update({k: v for k, v in outer.items() if k != "params"})
+        self.adopt_changed_weights()
         ready = [p for p in self.target if p.grad is not None]
         for p in ready:
             target = self.target[p]
@@ -104,18 +122,20 @@ class DeviceShare:
             for p in ready:
                 target = self.target[p]
                 if target is not p:
-                    p.copy_(target)
+                    p.data.copy_(target)  # (.data: leaves the mark to outside changes)
                     target.grad = None
 
     def load_master(self, param: torch.Tensor, saved: Optional[torch.Tensor]) -> None:
-        """After loading: the master from a checkpoint (and the weight from it), else
-        from the weight the model checkpoint gave."""
+        """After loading: the master from a checkpoint, else from the weight."""
         target = self.target[param]
         if target is param:
             return
         with torch.no_grad():
             if saved is not None:
                 target.copy_(saved)
-                param.copy_(target)
             else:
                 target.copy_(param)
+        # As on the host (checkpoint.write_weights): the parameter is left as it is, and a
+        # weight that is not the saved master rounded is decided at the next step.
+        matches = torch.equal(target.to(param.dtype).view(torch.int16), param.detach().view(torch.int16))
+        self._marks[param] = weight_mark(param) if matches else ()

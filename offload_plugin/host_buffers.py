@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from offload_plugin.distributed import local_part
+from offload_plugin.distributed import DTensor, local_part
 
 __all__ = ["HostSlot", "HostArena", "allocate_landing", "allocate_moments", "build_slots",
            "master_dtype_for"]
@@ -156,6 +156,10 @@ class HostSlot:
     # Position among the optimizer's offloaded parameters (their order: for torchtune's
     # models, the order in which the forward uses them).
     order: int = -1
+    # The parameter's weight_sync.weight_mark when the host copy last matched it, and the
+    # device it was on: a different mark means the weight was changed outside the optimizer.
+    mark: tuple = ()
+    param_device: Optional[torch.device] = None
     # Held while adding ``incoming`` into ``grad``, which the host worker does during
     # backward and the training thread may do too (whichever comes first).
     settle_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -167,10 +171,20 @@ class HostSlot:
     def device_weight(self) -> torch.Tensor:
         """Where updated weights go: the parameter, or its local shard if it is a DTensor.
 
-        Detached, so that the in-place copy is legal from any thread (grad mode is
-        per thread, and the host worker's is on).
+        A ``.data`` alias: writing into it is legal from any thread (grad mode is per
+        thread, and the host worker's is on), and it has a version counter of its own, so
+        the optimizer's writes leave the parameter's counter to mark changes made outside
+        it (see weight_sync).
         """
-        return local_part(self.param).detach()
+        return local_part(self.param).data
+
+
+def weight_mark(param: torch.Tensor) -> tuple[int, int, int]:
+    """What identifies ``param``'s current contents without reading them: its version
+    counter, its local shard's (the same tensor unless a DTensor) and the shard's storage
+    (see weight_sync)."""
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    return param._version, local._version, local.data_ptr()
 
 
 def build_slots(
@@ -221,8 +235,10 @@ def build_slots(
                 grad=grads[i].view(shape),
                 weight_stage=stages[i].view(shape) if i in stages else None,
                 grad_spare=spares[i].view(shape) if i in spares else None,
+                param_device=shard.device,
             )
         )
+        slots[-1].mark = weight_mark(p)
     return slots
 
 

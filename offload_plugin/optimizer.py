@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
+import inspect
 import logging
 import math
 import threading
@@ -18,22 +20,20 @@ import torch
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from offload_plugin.checkpoint_compat import (
-    TORCHAO_MINIMAL_SIZE,
-    convert_torchao_state_dict,
-    is_torchao_state_dict,
-)
+from offload_plugin.checkpoint_compat import TORCHAO_MINIMAL_SIZE
 from offload_plugin.grad_checks import NONFINITE_POLICIES, FiniteRecord, all_finite
-from offload_plugin import distributed, host_memory, native_adam
+from offload_plugin import checkpoint, distributed, host_memory, native_adam
+from offload_plugin.checkpoint import MASTER_KEY
 from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.host_buffers import (
-    HostArena, HostSlot, allocate_landing, allocate_moments, build_slots,
+    HostArena, HostSlot, allocate_landing, allocate_moments, build_slots, weight_mark,
 )
 from offload_plugin.host_update import update_slots, uses_fused_adam
 from offload_plugin import host_worker
 from offload_plugin.host_worker import HostWorker, JobBatch
 from offload_plugin.transfer import Transfers, min_max_into
+from offload_plugin.weight_sync import adopt_weight, changed_slots
 
 __all__ = ["CPUOffloadOptimizer"]
 
@@ -41,16 +41,15 @@ log = logging.getLogger(__name__)
 
 # Optimizers whose step is not a per-parameter update that can run on host copies.
 _UNSUPPORTED = {
-    "LBFGS": "it re-evaluates the model through a closure inside step()",
-    "SparseAdam": "it needs sparse gradients, which are not offloaded",
+    torch.optim.LBFGS: "it re-evaluates the model through a closure inside step()",
+    torch.optim.SparseAdam: "it needs sparse gradients, which are not offloaded",
 }
-# Group keys that torch added over releases; a state dict from an older torch may lack them.
-_KEYS_TORCH_MAY_LACK = {
-    "foreach", "fused", "capturable", "differentiable", "maximize",
-    "decoupled_weight_decay", "param_names",
-}
-# State-dict key of the fp32 master weight, saved so that a resume continues exactly.
-MASTER_KEY = "master_weight"
+# CPUOffloadOptimizer's own keyword options (the rest go to optimizer_cls).
+_OWN_OPTIONS = [
+    "optimizer_cls", "offload_gradients", "master_weights", "pin_memory", "nonfinite_grads",
+    "check_host_memory", "delayed_update", "host_threads", "accumulate_on_device",
+    "device_fraction",
+]
 
 
 def _resolve_optimizer_cls(optimizer_cls: Union[str, type]) -> type:
@@ -70,12 +69,51 @@ def _resolve_optimizer_cls(optimizer_cls: Union[str, type]) -> type:
         )
     if issubclass(optimizer_cls, CPUOffloadOptimizer):
         raise TypeError("optimizer_cls cannot be CPUOffloadOptimizer itself")
-    if optimizer_cls.__name__ in _UNSUPPORTED:
-        raise ValueError(
-            f"optimizer_cls={optimizer_cls.__name__} is not supported: "
-            f"{_UNSUPPORTED[optimizer_cls.__name__]}."
-        )
+    for unsupported, why in _UNSUPPORTED.items():
+        if issubclass(optimizer_cls, unsupported):
+            raise ValueError(
+                f"optimizer_cls={optimizer_cls.__name__} is not supported: {why}. Use "
+                "torch.optim.AdamW (the default) or another per-parameter optimizer."
+            )
     return optimizer_cls
+
+
+def _check_option_names(optimizer_cls: type, optimizer_kwargs: dict) -> None:
+    """Refuse a keyword neither we nor ``optimizer_cls`` take, naming the closest valid one
+    (``offload_gradient`` would otherwise reach AdamW and be reported as its own)."""
+    signature = inspect.signature(optimizer_cls.__init__)
+    if any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+        return  # the class takes any keyword: let it judge
+    theirs = [n for n, p in signature.parameters.items()
+              if n not in ("self", "params") and p.kind is not p.VAR_POSITIONAL]
+    for name in optimizer_kwargs:
+        if name not in theirs:
+            close = difflib.get_close_matches(name, _OWN_OPTIONS + theirs, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise TypeError(
+                f"CPUOffloadOptimizer got an unknown option {name!r}: it is neither one of its "
+                f"own ({', '.join(_OWN_OPTIONS)}) nor an argument of "
+                f"{optimizer_cls.__name__} ({', '.join(theirs)}).{hint}"
+            )
+
+
+def _check_trainable(params: list[torch.Tensor]) -> None:
+    """Refuse, before anything is allocated, tensors the host update cannot train."""
+    for p in params:
+        if p.is_complex():
+            raise ValueError(
+                f"CPUOffloadOptimizer does not support complex parameters (got {p.dtype}, "
+                f"shape {tuple(p.shape)}): the host update works on real tensors. Keep the "
+                "parameter real (e.g. store torch.view_as_real(z) and view it as complex in "
+                "the forward)."
+            )
+        if p.is_meta:
+            raise ValueError(
+                f"CPUOffloadOptimizer got a parameter on the meta device (shape "
+                f"{tuple(p.shape)}), which has no values to copy to the host. Materialize the "
+                "model first (model.to_empty(device=...) and load or initialize its weights), "
+                "then build the optimizer."
+            )
 
 
 class _GradHook:
@@ -252,6 +290,12 @@ class CPUOffloadOptimizer(Optimizer):
         self.check_host_memory = check_host_memory
         self._finite = FiniteRecord()
         self.optimizer_cls = _resolve_optimizer_cls(optimizer_cls)
+        _check_option_names(self.optimizer_cls, optimizer_kwargs)
+        if isinstance(params, (set, frozenset)):
+            raise TypeError(
+                "CPUOffloadOptimizer got its parameters as a set, whose order is not stable "
+                "(state-dict indices follow the order): pass a list, e.g. model.parameters()."
+            )
         self.offload_gradients = offload_gradients
         self.master_weights = master_weights
         self.pin_memory = pin_memory
@@ -342,6 +386,16 @@ class CPUOffloadOptimizer(Optimizer):
             c["frozen"], f"{c['frozen_numel']:,}",
         )
 
+    def __reduce_ex__(self, protocol):
+        # copy.copy, copy.deepcopy, pickle and torch.save all come here. A copy would share
+        # the host buffers, worker thread and gradient hooks of this one, or have none.
+        raise TypeError(
+            "CPUOffloadOptimizer cannot be copied or pickled: it owns host buffers, a worker "
+            "thread and hooks on the model's parameters. Save optimizer.state_dict() (e.g. "
+            "torch.save(optimizer.state_dict(), path)) and load it into a CPUOffloadOptimizer "
+            "built over the model's parameters with load_state_dict()."
+        )
+
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group as torch's optimizers do, dropping its frozen parameters first."""
@@ -390,6 +444,7 @@ class CPUOffloadOptimizer(Optimizer):
                 "CPUOffloadOptimizer needs all trainable parameters on one device, got "
                 f"{sorted(map(str, devices))}. Move the model with model.to(device) first."
             )
+        _check_trainable(params)
         if params and self._transfers is None:
             self._setup_device(params[0].device)
         on_device = [p for p in params if id(p) in self._keep_ids]
@@ -764,19 +819,27 @@ class CPUOffloadOptimizer(Optimizer):
             # A step that returned early still reads its host gradients (and adds the last
             # micro-batch's first): they are reset when it finishes, which is before the
             # next gradient lands (the next forward waits for every update first).
-            self._early["zero_grad"] = True
+            self._early["zero_grad"] = set_to_none
         else:
-            self._reset_host_grads()
+            self._reset_host_grads(set_to_none)
         self._scaled_since_zero_grad = False
 
-    def _reset_host_grads(self) -> None:
+    def _reset_host_grads(self, set_to_none: bool = True) -> None:
+        """Offloaded gradients as torch's zero_grad leaves ``.grad``: gone, or zeros that
+        the next backward adds to and the next step applies (step count, weight decay)."""
         for slot in self._slot_list:
             # Let in-flight copies land before their buffers count as free again. The lock:
             # with delayed_update the worker may be adding an accumulated gradient.
             with slot.settle_lock:
                 Transfers.wait(slot.grad_event)
                 Transfers.wait(slot.incoming_event)
-                slot.has_grad, slot.incoming_pending = False, False
+                if slot.incoming_pending or not set_to_none:
+                    slot.extremes_current = False
+                if slot.has_grad and not set_to_none:
+                    slot.grad.zero_()
+                else:
+                    slot.has_grad = False
+                slot.incoming_pending = False
                 slot.grad_event = slot.incoming_event = None
 
     # ------------------------------------------------------------------ step
@@ -903,6 +966,8 @@ class CPUOffloadOptimizer(Optimizer):
     def _submit_update(self, slot: HostSlot) -> None:
         """Queue ``slot``'s update (small parameters go to the worker several at a time)."""
         plan = self._overlap
+        if not plan["submitted"]:  # the step's first update: nothing has read a master yet
+            self._adopt_changed_weights()
         plan["submitted"].add(slot.master)
         with plan["todo_lock"]:
             plan["todo"].append(slot)
@@ -1044,7 +1109,7 @@ class CPUOffloadOptimizer(Optimizer):
                 # applied by _grads_in_place.
                 grads = self._grads_in_place("step()") if self._final_backward else self._ready_grads()
                 if not self._grads_finite(grads):
-                    self._nonfinite_step(updated=0, skipped=len(grads))
+                    self._skipped_step(grads)
                     return loss
                 if not self.offload_gradients:
                     self._copy_device_grads_to_host()
@@ -1061,6 +1126,7 @@ class CPUOffloadOptimizer(Optimizer):
             self._step_on_device(plan)  # its kernels run while the host finishes
             if not early:
                 self._worker.drain()
+                self._refuse_changes_during_step(plan)
                 self._report_spared(plan)
         finally:
             self._overlap = None
@@ -1123,16 +1189,69 @@ class CPUOffloadOptimizer(Optimizer):
             self._worker.drain()
         finally:
             self._transfers.order_compute_after(self._last_push)
-            if plan.get("zero_grad"):
-                self._reset_host_grads()
+            if plan.get("zero_grad") is not None:
+                self._reset_host_grads(set_to_none=plan["zero_grad"])
+        edited = changed_slots(self._slot_list)
+        if edited:
+            # Changed while this step was still writing weights: whether each change came
+            # before or after the new weight landed is unknown. The parameter stays the
+            # truth (the host copies follow it), and the user hears of it.
+            for slot in edited:
+                adopt_weight(slot)
+            raise RuntimeError(
+                f"CPUOffloadOptimizer: {len(edited)} parameters were changed (in place, or by "
+                "load_state_dict) after a step that returned early (early_forward) and before "
+                "it had finished writing the new weights, so the change may have been applied "
+                "to the old weights or overwritten. Call optimizer.finish_step() before "
+                "changing weights outside the optimizer. The optimizer now follows the "
+                "weights as they are."
+            )
         self._report_spared(plan)
 
+    def _adopt_changed_weights(self) -> None:
+        """Take over weights changed outside the optimizer since its host copies last
+        matched them (see weight_sync): before a step's first update reads a master."""
+        for slot in changed_slots(self._slot_list):
+            adopt_weight(slot)
+        if self._device_share is not None:
+            self._device_share.adopt_changed_weights()
+
+    def _refuse_changes_during_step(self, plan: dict) -> None:
+        """After an overlapped step: updates that started during backward read the host
+        copies before a change made between overlap_next_step() and step() could count."""
+        edited = [s for s in changed_slots(self._slot_list) if s.master in plan["submitted"]]
+        if edited:
+            for slot in edited:
+                adopt_weight(slot)
+            raise RuntimeError(
+                f"CPUOffloadOptimizer: {len(edited)} parameters were changed outside the "
+                "optimizer after overlap_next_step(), while their updates were already "
+                "running. Change weights before overlap_next_step() (or after step()). The "
+                "optimizer now follows the weights as they are."
+            )
+
+    @torch.no_grad()
+    def reload_weights(self) -> None:
+        """Re-read every parameter into the host copies (the fp32 masters restart from the
+        weights unless a weight is exactly its master rounded).
+
+        Changes made in place or by ``load_state_dict`` are picked up by the next step
+        without this; call it after writing through ``param.data``, which torch hides from
+        the version counters that detection reads.
+        """
+        self._finish_pending()
+        for slot in self._slot_list:
+            adopt_weight(slot)
+        if self._device_share is not None:
+            self._device_share.adopt_changed_weights(all_params=True)
+
     def finish_step(self) -> None:
-        """Wait until a step that returned early (``overlap_next_step(early_forward=True)``)
-        has finished: all weights updated on the device, its errors raised. Every method
-        that needs it calls it; call it before reading the model's weights other than
-        through its forward (e.g. saving the model). A no-op otherwise."""
-        self._finish_early_step()
+        """Wait until the last step has put every weight on the device: a step that returned
+        early (``overlap_next_step(early_forward=True)``) or a delayed update, with its
+        errors raised. Every method that needs it calls it; call it before reading the
+        model's weights other than through its forward (e.g. saving the model) or changing
+        them. A no-op otherwise."""
+        self._finish_pending()
 
     def _step_on_device(self, plan: dict) -> None:
         """Partial offload: update the parameters kept on the device (device_fraction)."""
@@ -1179,7 +1298,7 @@ class CPUOffloadOptimizer(Optimizer):
             grads = self._grads_in_place("step()")
             self._warn_if_unscaled()
             if not self._grads_finite(grads):
-                self._nonfinite_step(updated=0, skipped=len(grads))
+                self._skipped_step(grads)
                 return
             if not self.offload_gradients:
                 self._copy_device_grads_to_host()
@@ -1205,6 +1324,7 @@ class CPUOffloadOptimizer(Optimizer):
     def _submit_delayed(self, plan: dict) -> None:
         """Hand every parameter with a gradient to the worker; the next backward lands in
         the other gradient buffer."""
+        self._adopt_changed_weights()
         batch = JobBatch(self._worker, partial(self._delayed_update, plan))
         for slot in self._slots():
             if not slot.has_grad:
@@ -1253,9 +1373,12 @@ class CPUOffloadOptimizer(Optimizer):
             self._push(slot)
 
     def _push(self, slot: HostSlot) -> None:
-        """Copy an updated weight to the device (caller holds ``_push_lock``)."""
-        slot.push_event = self._transfers.to_device([(slot.weight_source(), slot.device_weight())])
-        self._last_push = slot.push_event  # copies complete in issue order
+        """Copy an updated weight to the device (caller holds ``_push_lock``), unless the
+        weight was changed outside the optimizer meanwhile: the change wins, and the next
+        step or state_dict() takes it over (see weight_sync)."""
+        if weight_mark(slot.param) == slot.mark:
+            slot.push_event = self._transfers.to_device([(slot.weight_source(), slot.device_weight())])
+            self._last_push = slot.push_event  # copies complete in issue order
         slot.push_ready = slot.free_to_push = False
 
     def _finish_pending(self) -> None:
@@ -1301,7 +1424,21 @@ class CPUOffloadOptimizer(Optimizer):
         # for good, so one rank's inf/NaN skips the step everywhere.
         return not distributed.any_rank(not finite, self._meshes)
 
+    def _skipped_step(self, grads: list[torch.Tensor]) -> None:
+        """Report a step skipped as a whole, counting the gradients that were non-finite
+        (a pass over each, on this rare path only)."""
+        bad = sum(1 for g in grads if not all_finite([g]))
+        if bad == 0:  # (sharded: the verdict is every rank's)
+            what = (f"another rank had an inf or NaN gradient, so the step was skipped for all "
+                    f"{len(grads)} parameters here too (their master weights and optimizer "
+                    "state are unchanged)")
+        else:
+            what = (f"{bad} of {len(grads)} parameters had an inf or NaN gradient, so the step "
+                    "was skipped: no master weight or optimizer state changed")
+        self._report_nonfinite(what)
+
     def _nonfinite_step(self, updated: int, skipped: int) -> None:
+        """Report updates spared one by one (each judged its own gradient)."""
         what = (
             f"{skipped} parameters had an inf or NaN gradient; their master weights and "
             "optimizer state are unchanged"
@@ -1309,6 +1446,9 @@ class CPUOffloadOptimizer(Optimizer):
                "overlap_next_step or delayed_update each update checks its own gradient)"
                if updated else ": the step was skipped")
         )
+        self._report_nonfinite(what)
+
+    def _report_nonfinite(self, what: str) -> None:
         if self.nonfinite_grads == "raise":
             raise FloatingPointError(
                 f"CPUOffloadOptimizer: {what}. Lower the lr, clip gradients, or check the "
@@ -1350,6 +1490,7 @@ class CPUOffloadOptimizer(Optimizer):
                 like its shard (e.g. factored state), which cannot be saved per shard.
         """
         self._finish_pending()
+        self._adopt_changed_weights()  # a saved master must match the model's weight
         sd = super().state_dict()
         # torch's packing hands out the host optimizer's live per-parameter dicts: copy
         # them before adding keys, so the live state never holds the master or DTensors.
@@ -1387,157 +1528,49 @@ class CPUOffloadOptimizer(Optimizer):
         return out
 
     def load_state_dict(
-        self, state_dict: dict[str, Any], torchao_minimal_size: int = TORCHAO_MINIMAL_SIZE
+        self,
+        state_dict: dict[str, Any],
+        torchao_minimal_size: int = TORCHAO_MINIMAL_SIZE,
+        *,
+        allow_nonfinite: bool = False,
     ) -> None:
         """Load a state dict from this class or any torch optimizer over the same parameters.
 
         A checkpoint of torchao's CPUOffloadOptimizer (``{"offloaded": ..., "on-device":
         ...}``) is converted first; give ``torchao_minimal_size`` if it was not built with
-        torchao's default. Everything is checked before anything changes; state lands in
-        host memory.
+        torchao's default. Every group and entry is checked (keys the optimizer class
+        needs, types, dtypes, exact shapes, finite values) and copied before anything
+        changes, so a refused load leaves parameters, state and groups as they were.
+        Hyperparameters are taken as ``optimizer_cls`` takes them: an Adam checkpoint
+        loaded with AdamW continues as AdamW, as with torch's AdamW. State lands in host
+        memory.
+
+        Args:
+            state_dict (dict): what ``state_dict()`` of this class or of a torch optimizer
+                returned, or a torchao CPUOffloadOptimizer checkpoint.
+            torchao_minimal_size (int): the ``minimal_size`` of that torchao optimizer.
+            allow_nonfinite (bool): load state and master weights that hold inf or NaN
+                (refused by default: the next step would carry them into the weights).
 
         Raises:
+            TypeError: ``state_dict`` is not a dict.
             ValueError: the state dict does not match this optimizer's groups, parameter
-                counts, parameter shapes or optimizer class; the message says what differs.
+                counts, parameter shapes or optimizer class, or holds a malformed or
+                non-finite entry; the message says what differs.
         """
         self._finish_pending()
-        state_dict = dict(state_dict)
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state_dict = hook(self, state_dict) or state_dict
-        from_torchao = is_torchao_state_dict(state_dict)
-        if from_torchao:
-            state_dict = convert_torchao_state_dict(
-                state_dict, self.param_groups, torchao_minimal_size
-            )
-            for saved, group in zip(state_dict["param_groups"], self.param_groups):
-                for key, value in group.items():  # a group torchao held no tensor of
-                    if key != "params":
-                        saved.setdefault(key, value)
-        try:
-            self._validate_state_dict(state_dict)
-        except ValueError as err:
-            if from_torchao:
-                raise ValueError(f"cannot load this torchao CPUOffloadOptimizer checkpoint: {err}") from None
-            raise
-
-        param_of = dict(
-            zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]), self._params())
-        )
-        masters, state = {}, {}
-        for index, entry in state_dict["state"].items():
-            # DTensor state (FSDP2 checkpoints) or full tensors: this rank's shard.
-            param = param_of[index]
-            entry = {
-                k: distributed.to_local_value(v, param) if isinstance(v, torch.Tensor) else v
-                for k, v in entry.items()
-            }
-            if MASTER_KEY in entry:
-                masters[index] = entry.pop(MASTER_KEY)
-            # Copies, on the host: the source may live on a GPU, or be another optimizer's
-            # live state, which must not be stepped twice. (The device share's optimizer
-            # moves its own to the device.)
-            state[index] = {
-                k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
-                for k, v in entry.items()
-            }
-        # Each inner optimizer loads its own parameters' entries, group by group.
-        on_host = {i for i, p in param_of.items() if p in self._slot_of}
-        inner = [(self._host_optimizer, lambda i: i in on_host)]
-        if self._device_share is not None:
-            inner.append((self._device_share.optimizer, lambda i: i not in on_host))
-        for optimizer, mine in inner:
-            optimizer.load_state_dict({
-                "state": {i: entry for i, entry in state.items() if mine(i)},
-                "param_groups": [dict(g, params=[i for i in g["params"] if mine(i)])
-                                 for g in state_dict["param_groups"]],
-            })
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            params = group["params"]
-            group.clear()
-            group.update({k: v for k, v in saved.items() if k != "params"})
-            group["params"] = params
-        for slot in self._slot_list:  # loaded moments go back into their huge pages
-            entry = self._host_optimizer.state.get(slot.master)
-            for key, view in zip(("exp_avg", "exp_avg_sq"), slot.moments or ()):
-                loaded = entry.get(key) if entry else None
-                if loaded is not None and loaded.shape == view.shape and loaded.dtype == view.dtype:
-                    entry[key] = view.copy_(loaded)
-        # A master weight comes from the checkpoint when it has one; otherwise from the
-        # device weights, which the caller has loaded from the model checkpoint.
-        for saved_id, param in param_of.items():
-            slot = self._slot_of.get(param)
-            if slot is None:
-                self._device_share.load_master(param, masters.get(saved_id))
-            elif saved_id in masters:
-                slot.master.copy_(masters[saved_id])
-                # The device weight follows the saved master: equal to the model checkpoint's
-                # weight normally, newer when delayed_update completed an update on saving.
-                slot.device_weight().copy_(slot.master)
-            else:
-                slot.master.copy_(slot.device_weight())
+        # Checked and converted into new tensors; nothing of this optimizer changed yet.
+        plan = checkpoint.prepare_load(self, state_dict, torchao_minimal_size, allow_nonfinite)
+        checkpoint.apply_state(self, plan)
+        # The one place where loading writes master weights and device weights.
+        checkpoint.write_weights(self, plan)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def _validate_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= state_dict.keys():
-            raise ValueError(
-                "not an optimizer state dict: expected the keys 'state' and 'param_groups' "
-                f"(torch's layout), got {sorted(map(str, state_dict))[:8]}."
-            )
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(
-                f"state dict has {len(saved_groups)} parameter groups, this optimizer has "
-                f"{len(self.param_groups)}; build the optimizer over the same groups."
-            )
-        needed = set(self.defaults) - _KEYS_TORCH_MAY_LACK
-        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            missing = needed - saved.keys()
-            if missing:
-                raise ValueError(
-                    f"state dict was written by another optimizer class: parameter group {i} "
-                    f"lacks {sorted(missing)}, which {self.optimizer_cls.__name__} needs (it "
-                    f"has {sorted(k for k in saved if k != 'params')}). Load it into the class "
-                    "that wrote it, or start this optimizer fresh."
-                )
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(
-                    f"parameter group {i}: state dict has {len(saved['params'])} parameters, "
-                    f"this optimizer has {len(group['params'])} trainable ones. Was it saved "
-                    "for another model, or with different parameters frozen?"
-                )
-        index_of = dict(zip(chain.from_iterable(g["params"] for g in saved_groups), self._params()))
-        for index, entry in state_dict["state"].items():
-            if index not in index_of:
-                raise ValueError(f"state dict has state for unknown parameter index {index}")
-            param = index_of[index]
-            shape = param.shape  # global for a DTensor, as is a DTensor value's
-            for key, value in entry.items():
-                if isinstance(value, DTensor) and isinstance(param, DTensor) and (
-                    value.device_mesh != param.device_mesh
-                ):
-                    raise ValueError(
-                        f"state dict entry {index}[{key!r}] is a DTensor on {value.device_mesh}, "
-                        f"its parameter is on {param.device_mesh}: load full tensors, or state "
-                        "from get_optimizer_state_dict on this model, instead."
-                    )
-                # State shaped like its parameter (exp_avg, momentum_buffer, master_weight)
-                # must match it; factored or scalar state (Adafactor, step) has fewer dims.
-                if isinstance(value, torch.Tensor) and value.dim() == len(shape) and value.dim() > 0:
-                    if value.shape != shape:
-                        if isinstance(param, DTensor) and value.shape == local_part(param).shape:
-                            raise ValueError(
-                                f"state dict entry {index}[{key!r}] is a plain tensor shaped like "
-                                f"this rank's shard {tuple(value.shape)}, not like the parameter "
-                                f"{tuple(shape)}: which part of the parameter it holds is unknown. "
-                                "Pass DTensors (torch.distributed.checkpoint.state_dict."
-                                "get_optimizer_state_dict) or full tensors."
-                            )
-                        raise ValueError(
-                            f"state dict entry {index}[{key!r}] has shape {tuple(value.shape)}, "
-                            f"the parameter has {tuple(shape)}: the checkpoint belongs to "
-                            "another model."
-                        )
+    def _validate_state_dict(self, state_dict: dict[str, Any], allow_nonfinite: bool = False):
+        """Check ``state_dict`` against this optimizer without changing anything; returns
+        the converted state (``checkpoint.LoadPlan``). Raises ValueError saying what differs."""
+        return checkpoint.validate(self, state_dict, allow_nonfinite)
 
     # ------------------------------------------------------------------ reporting
     def host_memory_bytes(self) -> int:

@@ -151,7 +151,8 @@ class Transfers:
         self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], after: Optional[object] = None
     ) -> Optional[object]:
         """Copy each ``(host_src, device_dst)``; returns the event of the last copy.
-        ``device_dst`` may be a parameter (a leaf that requires grad).
+        ``device_dst`` may be a parameter (a leaf that requires grad); its version
+        counter does not move.
 
         Copies in this direction complete in issue order, so waiting for the latest
         event (``order_compute_after``) covers all earlier ones. The copies first wait
@@ -160,9 +161,8 @@ class Transfers:
         stream has since received work that does not read them.
         """
         if not self.is_async:
-            with torch.no_grad():
-                for src, dst in pairs:
-                    dst.copy_(src)
+            for src, dst in pairs:
+                dst.data.copy_(src)  # (.data: see below)
             return None
         if after is None:
             self.h2d.wait_stream(self._compute_stream())
@@ -172,10 +172,13 @@ class Transfers:
         pairs = list(pairs)
         if self._runtime is not None and all(_plain_pair(src, dst) for src, dst in pairs):
             self._runtime.copy_to_device(pairs, self.device.index, self.h2d.cuda_stream)
-        else:  # (no_grad: a parameter is a leaf that requires grad, and grad mode is per thread)
-            with torch.cuda.stream(self.h2d), torch.no_grad():
+        else:
+            # Through ``.data``, like the runtime's copies: legal on a leaf that requires grad
+            # in any thread's grad mode, and the parameter's version counter stays for
+            # changes made outside the optimizer (see weight_sync).
+            with torch.cuda.stream(self.h2d):
                 for src, dst in pairs:
-                    dst.copy_(src, non_blocking=True)
+                    dst.data.copy_(src, non_blocking=True)
         return self.h2d.record_event()
 
     def mark_compute(self) -> Optional[object]:

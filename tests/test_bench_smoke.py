@@ -201,3 +201,17 @@ def test_copy_issue_cost_benchmark_runs(tmp_path):
     assert {(r["neighbour"], r["path"]) for r in rows} == {
         (n, p) for n in ("idle", "busy_neighbour") for p in ("runtime", "torch")}
     assert all(r["median_us"] > 0 for r in rows)
+
+
+def test_change_check_cost_tiny_cpu_smoke(tmp_path):
+    """bench/change_check_cost.py runs and times the version-counter checks of real steps."""
+    out = tmp_path / "check.json"
+    cmd = [sys.executable, str(REPO / "bench" / "change_check_cost.py"), "--tiny", "--device", "cpu",
+           "--steps", "3", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    assert [r["label"] for r in rows[:2]] == ["default", "offload_gradients+early_forward"]
+    for r in rows[:2]:
+        assert r["step_s"] > 0 and r["check_s_per_step"] > 0 and r["tensors"] == 21
+    assert rows[2]["check_s"] > 0

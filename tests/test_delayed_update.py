@@ -159,14 +159,22 @@ def test_differs_from_exact_mode():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_resume_continues_like_the_run_that_saved(device, tmp_path):
-    """The model is saved before the optimizer (torchtune's order); loading the optimizer
-    brings the weights of the update that saving completed."""
+@pytest.mark.parametrize("order", ["finish-then-save", "model-saved-first"])
+def test_resume_continues_from_the_saved_model(device, order, tmp_path):
+    """finish_step() before saving the model (our recipes' order) puts the pending update in
+    the model checkpoint, and a resume continues exactly. Saved before it (torchtune's stock
+    order), the model checkpoint is one update behind the optimizer's state: the resume
+    continues from the model as saved (the parameter is the truth), like a run whose weights
+    were reloaded from that checkpoint."""
     model = make_model(device)
     opt = offload(model, delayed_update=True, offload_gradients=True, **KW)
     _train(model, opt, 3)
+    if order == "finish-then-save":
+        opt.finish_step()
     model_sd = copy.deepcopy(model.state_dict())
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    if order == "model-saved-first":
+        model.load_state_dict(model_sd)  # the uninterrupted run, from the same weights
     _train(model, opt, 3, start=3)
 
     resumed = make_model(device, seed=1)

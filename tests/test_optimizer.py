@@ -1,7 +1,9 @@
 """CPUOffloadOptimizer against torch's own optimizers: results, API and bad input."""
 
 import copy
+import io
 import logging
+import pickle
 import subprocess
 import sys
 
@@ -235,10 +237,22 @@ def _two_devices():
          "not supported"),
         (lambda m: (m[2].weight, {}), TypeError, "iterable"),
         (lambda m: ([{"params": set(m.parameters())}], {}), TypeError, "not a set"),
+        (lambda m: (set(m.parameters()), {}), TypeError, "as a set.*pass a list"),
+        (lambda m: ([*m.parameters()], {"optimizer_cls": type("MyLBFGS", (torch.optim.LBFGS,), {})}),
+         ValueError, "MyLBFGS is not supported.*closure"),
+        (lambda m: ([nn.Parameter(torch.zeros(3, dtype=torch.complex64))], {}), ValueError,
+         "complex parameters.*view_as_real"),
+        (lambda m: ([*nn.Linear(2, 2, device="meta").parameters()], {}), ValueError,
+         "meta device.*to_empty"),
+        (lambda m: ([*m.parameters()], {"offload_gradient": True}), TypeError,
+         "unknown option 'offload_gradient'.*Did you mean 'offload_gradients'"),
+        (lambda m: ([*m.parameters()], {"master_weight": False}), TypeError,
+         "Did you mean 'master_weights'"),
     ],
     ids=["lr", "betas", "unknown-kwarg", "twice-in-group", "twice-across-groups",
          "two-devices", "bad-class-name", "bad-module", "not-an-optimizer", "lbfgs",
-         "bare-tensor", "set"],
+         "bare-tensor", "set", "set-of-params", "lbfgs-subclass", "complex", "meta",
+         "misspelt-own-option", "misspelt-master-weights"],
 )
 def test_bad_input_raises_clear_error(make_args, error, match):
     """Each kind of bad input raises an exception whose message names the problem."""
@@ -658,3 +672,58 @@ def test_the_worker_sets_its_thread_count_while_the_optimizer_is_built():
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split()[-1] == "same"
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy, pickle.dumps,
+                                    lambda opt: torch.save(opt, io.BytesIO())],
+                         ids=["copy", "deepcopy", "pickle", "torch.save"])
+def test_copying_the_optimizer_is_refused_with_the_state_dict_route(copier):
+    model = make_model()
+    opt = offload(model, lr=1e-2)
+    with pytest.raises(TypeError, match="cannot be copied or pickled.*state_dict"):
+        copier(opt)
+    train(model, opt, 1)  # the original is untouched and still trains
+
+
+@pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.parametrize("overlap", [False, True], ids=["step", "overlap_next_step"])
+def test_zero_grad_keeping_zeros_applies_them_as_torch_does(offload_gradients, overlap):
+    """zero_grad(set_to_none=False) leaves zero gradients that the next step applies (its
+    step count and weight decay), and that the next backward adds to."""
+    if overlap and not offload_gradients:
+        pytest.skip("overlap_next_step needs offload_gradients")
+    ref_model, model = twins()
+    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2, weight_decay=0.5, fused=True)
+    opt = offload(model, lr=1e-2, weight_decay=0.5, fused=True, offload_gradients=offload_gradients)
+    for m, o in ((ref_model, ref), (model, opt)):
+        x, y = batch(0, 0, "cpu")
+        ((m(x) - y) ** 2).sum().backward()
+        if o is opt and offload_gradients:
+            o.scale_grads(0.125)
+        else:
+            [p.grad.mul_(0.125) for p in trainable(m)]
+        o.step()
+        o.zero_grad(set_to_none=False)
+        o.step()  # zero gradients: only weight decay and the moments' decay move weights
+        x, y = batch(1, 0, "cpu")
+        if o is opt and overlap:
+            o.overlap_next_step(grad_scale=0.125)
+        ((m(x) - y) ** 2).sum().backward()  # adds to the zeros
+        if not (o is opt and overlap):
+            if o is opt and offload_gradients:
+                o.scale_grads(0.125)
+            else:
+                [p.grad.mul_(0.125) for p in trainable(m)]
+        o.step()
+    assert_same_params(ref_model, model, exact=True)
+    assert ref.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"] == 3
+
+
+def test_nonfinite_warning_counts_only_the_bad_gradients(caplog):
+    model = make_model()
+    opt = offload(model, lr=1e-2)
+    x, y = batch(0, 0, "cpu")
+    ((model(x) - y) ** 2).sum().backward()
+    model[4].bias.grad[0] = float("nan")
+    opt.step()
+    assert "1 of 4 parameters had an inf or NaN gradient" in caplog.text

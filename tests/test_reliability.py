@@ -8,6 +8,7 @@ import traceback
 import pytest
 import torch
 
+import offload_plugin
 import offload_plugin.grad_checks as grad_checks
 import offload_plugin.optimizer as optimizer_module
 from offload_plugin import CPUOffloadOptimizer
@@ -224,7 +225,7 @@ def test_torchao_checkpoint_is_converted_and_continues_exactly():
     sd = _torchao_state_dict(ref_model, 3, minimal_size=512)
     model.load_state_dict(ref_model.state_dict())
     plain = torch.optim.AdamW(trainable(ref_model), lr=1e-2, fused=True)
-    converted = optimizer_module.convert_torchao_state_dict(sd, model_params := trainable(model),
+    converted = offload_plugin.convert_torchao_state_dict(sd, model_params := trainable(model),
                                                              minimal_size=512)
     plain.load_state_dict(copy.deepcopy(converted))
     opt = offload(model, lr=1e-2, fused=True)

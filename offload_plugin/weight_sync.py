@@ -1,0 +1,82 @@
+"""Weights changed outside the optimizer: noticed at the next step and taken over, as torch does.
+
+torch's optimizers read the parameter itself at every step, so whatever changed it since
+the last step (``model.load_state_dict``, ``torch.nn.init``, an in-place edit under
+``no_grad``, a resume that loads the model after the optimizer) is what the next step
+updates. Ours updates a host copy and writes the result over the parameter; left alone,
+that would undo such a change.
+
+Every in-place change of a tensor bumps its version counter (the counter autograd uses to
+refuse a backward through a modified tensor), and the optimizer's own writes into the
+parameters do not (they go through the CUDA runtime or a ``.data`` alias: see
+``HostSlot.device_weight``). So a parameter whose counter or storage differs from what was
+recorded when the host copy last matched it has been changed by someone else. Checking
+costs a few attribute reads per parameter and step, no pass over any data. Only then is the
+weight copied back to the host: without master weights it replaces the host copy; with
+them, the fp32 master restarts from it, unless the weight is still exactly the rounding of
+the master (nothing changed, e.g. a resume that reloads the model weights saved with the
+optimizer state), so that such a resume stays bit-exact.
+
+A DTensor (FSDP2) parameter's own counter moves with in-place ops on the DTensor, its local
+shard's with ops on the shard: both are checked.
+
+Not seen, by torch's design: writes through ``param.data``, a tensor with a version counter
+of its own (autograd does not see them either). After such a write, call
+``CPUOffloadOptimizer.reload_weights()``.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from offload_plugin.host_buffers import HostSlot, weight_mark
+
+__all__ = ["weight_mark", "changed_slots", "adopt_weight", "bits_equal"]
+
+
+def changed_slots(slots: Iterable[HostSlot]) -> list[HostSlot]:
+    """The slots whose parameter was changed since its host copy last matched it."""
+    return [slot for slot in slots if weight_mark(slot.param) != slot.mark]
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold the same bits (NaN and -0 included)."""
+    return a.shape == b.shape and torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
+
+
+@torch.no_grad()
+def adopt_weight(slot: HostSlot) -> bool:
+    """Make ``slot``'s host copy follow its parameter again; returns whether it changed.
+
+    Runs on the training thread: the copy to the host is ordered after the work queued on
+    the current stream, which is where the change was made.
+    """
+    weight = slot.device_weight()
+    if weight.shape != slot.master.shape:
+        raise ValueError(
+            f"a parameter's shape changed from {tuple(slot.master.shape)} to "
+            f"{tuple(weight.shape)} after CPUOffloadOptimizer was built (param.data was "
+            "replaced?). Give the model its final shapes, then build the optimizer."
+        )
+    if weight.dtype != slot.grad.dtype:
+        raise ValueError(
+            f"a parameter's dtype changed from {slot.grad.dtype} to {weight.dtype} after "
+            "CPUOffloadOptimizer was built. Convert the model (model.to(dtype)) first, then "
+            "build the optimizer."
+        )
+    if weight.device != slot.param_device:
+        raise ValueError(
+            f"a parameter moved from {slot.param_device} to {weight.device} after "
+            "CPUOffloadOptimizer was built. Move the model (model.to(device)) first, then "
+            "build the optimizer."
+        )
+    host = weight.to("cpu", copy=True)
+    slot.mark = weight_mark(slot.param)
+    if host.dtype != slot.master.dtype and bits_equal(slot.master.to(host.dtype), host):
+        return False  # the weight is still the rounded master: keep the master's extra bits
+    slot.master.copy_(host)
+    return True
