@@ -12,6 +12,7 @@ single-device path runs the same code without collectives.
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Iterable, Optional, Sequence
 
@@ -62,6 +63,20 @@ def meshes_of(params: Iterable[torch.Tensor]) -> list:
     return meshes
 
 
+# Handles of our latest collectives, held so that the backend's own thread is never the one
+# to drop the last reference to their tensors. gloo's worker thread (NCCL's watchdog
+# likewise) releases a finished collective after reporting it done, and in torch 2.13
+# releasing a tensor that has a Python object takes the GIL, inside a noexcept destructor.
+# Our reductions end each step(), so at a run's end the interpreter may start finalizing
+# while that thread waits for the GIL: CPython 3.11/3.12 then end it with pthread_exit, whose
+# unwinding through the destructor aborts the process ("terminate called without an active
+# exception", exit status -6 after a successful run). Held here, the last reference goes on
+# a Python thread holding the GIL (when the handle leaves this queue, long after the
+# backend let go) or during finalization, when torch skips the release. 16 handles cover
+# several steps; each holds a one-element tensor.
+_RECENT_WORK: collections.deque = collections.deque(maxlen=16)
+
+
 def _all_reduce(value: torch.Tensor, mesh, dims: Sequence[int], op) -> torch.Tensor:
     """Reduce ``value`` over the given mesh dimensions, on the mesh's device type.
 
@@ -73,7 +88,9 @@ def _all_reduce(value: torch.Tensor, mesh, dims: Sequence[int], op) -> torch.Ten
         return value
     work = value.detach().to(mesh.device_type, copy=True)
     for dim in dims:
-        dist.all_reduce(work, op=op, group=mesh.get_group(dim))
+        handle = dist.all_reduce(work, op=op, group=mesh.get_group(dim), async_op=True)
+        handle.wait()  # what the synchronous call does
+        _RECENT_WORK.append(handle)  # see _RECENT_WORK
     return work.to(value.device)
 
 
