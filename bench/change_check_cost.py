@@ -81,7 +81,7 @@ def run(args, label, **options):
     opt.finish_step()
     steps = len(times) - 1
     check = sum(totals.values()) / steps
-    row = dict(label=label, options=options, tensors=len(opt._slot_list),
+    row = dict(label=label, options=options, tensors=len(opt._slots),
                step_s=sum(times[1:]) / steps, check_s_per_step=check,
                check_share=check / (sum(times[1:]) / steps))
     print(json.dumps(row))

@@ -23,10 +23,10 @@ from torch.optim import Optimizer
 from offload_plugin import distributed
 from offload_plugin.checkpoint_compat import convert_torchao_state_dict, is_torchao_state_dict
 from offload_plugin.distributed import DTensor, local_part
-from offload_plugin.host_buffers import weight_mark
+from offload_plugin.host_buffers import HostSlot, weight_mark
 from offload_plugin.weight_sync import bits_equal
 
-__all__ = ["LoadPlan", "prepare_load", "validate", "apply_state", "write_weights"]
+__all__ = ["LoadPlan", "prepare_load", "validate", "apply_state", "write_weights", "with_masters"]
 
 # State-dict key of the fp32 master weight, saved so that a resume continues exactly.
 MASTER_KEY = "master_weight"
@@ -175,7 +175,7 @@ def validate(opt, state_dict: Mapping, allow_nonfinite: bool = False) -> LoadPla
 
     # One state dict per inner optimizer (host, and the device share's), each over its
     # own parameters, with the groups as the class itself normalized them.
-    on_host = {index for index, (_, pos) in position_of.items() if params[pos] in opt._slot_of}
+    on_host = {index for index, (_, pos) in position_of.items() if params[pos] in opt._slots}
     owners = [(opt._host_optimizer, lambda index: index in on_host)]
     if opt._device_share is not None:
         owners.append((opt._device_share.optimizer, lambda index: index not in on_host))
@@ -244,7 +244,7 @@ def _check_entry(
     where = f"state entry {index!r}"
     if not isinstance(entry, Mapping):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict of per-parameter state.")
-    slot = opt._slot_of.get(param)
+    slot = opt._slots.get(param)
     target = slot.master if slot is not None else opt._device_share.target[param]
     cls = opt.optimizer_cls
     rules = _STATE_KEYS.get(cls)
@@ -424,7 +424,7 @@ def apply_state(opt, plan: LoadPlan) -> None:
         group["params"] = params
         if names is not None and "param_names" not in hyper:  # as torch keeps them
             group["param_names"] = names
-    for slot in opt._slot_list:  # loaded moments go back into their huge pages
+    for slot in opt._slots:  # loaded moments go back into their huge pages
         entry = opt._host_optimizer.state.get(slot.master)
         for key, view in zip(("exp_avg", "exp_avg_sq"), slot.moments or ()):
             loaded = entry.get(key) if entry else None
@@ -445,7 +445,7 @@ def write_weights(opt, plan: LoadPlan) -> None:
     a saved master the host copy restarts from the weight.
     """
     for param in opt._params():
-        slot = opt._slot_of.get(param)
+        slot = opt._slots.get(param)
         saved = plan.masters.get(param)
         if slot is None:
             opt._device_share.load_master(param, saved)
@@ -458,3 +458,43 @@ def write_weights(opt, plan: LoadPlan) -> None:
         slot.master.copy_(saved)
         rounded = slot.master.to(weight.dtype)
         slot.mark = weight_mark(param) if bits_equal(rounded, weight.cpu()) else ()
+
+
+def with_masters(opt, sd: dict) -> dict:
+    """``opt``'s state dict from torch's packing (``sd``), with each master weight added and
+    DTensor parameters' state laid out as DTensors (see CPUOffloadOptimizer.state_dict)."""
+    # torch's packing hands out the host optimizer's live per-parameter dicts: copy them
+    # before adding keys, so the live state never holds the master or DTensors.
+    sd["state"] = {index: dict(entry) for index, entry in sd["state"].items()}
+    for index, param in enumerate(opt._params()):
+        slot = opt._slots.get(param)
+        if slot is None:  # updated on the device (device_fraction)
+            master = opt._device_share.master(param)
+            if master is not None:
+                sd["state"].setdefault(index, {})[MASTER_KEY] = master
+            continue
+        # delayed_update saves every host weight: a model checkpoint written before this
+        # call holds the weights from before the update it just completed.
+        if slot.weight_stage is not None or opt.delayed_update:
+            sd["state"].setdefault(index, {})[MASTER_KEY] = slot.master
+        if opt._slots.sharded and index in sd["state"]:
+            sd["state"][index] = _shard_state(index, slot, sd["state"][index])
+    return sd
+
+
+def _shard_state(index: int, slot: HostSlot, entry: dict[str, Any]) -> dict[str, Any]:
+    shard = slot.master.shape
+    out = {}
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if value.shape != shard:
+                raise ValueError(
+                    f"state {index}[{key!r}] has shape {tuple(value.shape)}, but its "
+                    f"parameter's local shard is {tuple(shard)}: a sharded checkpoint "
+                    f"cannot hold it. {type(slot.param).__name__} parameters need an "
+                    "optimizer_cls whose state is shaped like the parameter (AdamW, SGD, ...)."
+                )
+            value = distributed.shard_like(value, slot.param)
+        out[key] = value
+    return out
+

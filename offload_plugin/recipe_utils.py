@@ -65,9 +65,9 @@ def overlap_last_backward(
     """
     if not (_is_offload(optimizer) and optimizer.offload_gradients):
         return False
-    clipping = clip_grad_norm is not None and not optimizer.delayed_update
     optimizer.overlap_next_step(
-        grad_scale=1.0 / float(num_tokens), clipping=clipping, early_forward=early_forward
+        grad_scale=1.0 / float(num_tokens), clipping=clip_grad_norm is not None,
+        early_forward=early_forward,
     )
     return True
 

@@ -92,9 +92,11 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
         ckpt = self._setup_checkpointer(cfg.checkpointer)
         self._compile = cfg.get("compile", False)
         # Opt-in: step() returns before the offloaded update ends, the next forward waiting
-        # per module for its weights; faster on the H200 host (README, Measured). Not with
-        # compiled modules, whose graphs the hook would break.
-        self._early_forward = cfg.get("early_forward", False) and not self._compile
+        # per module for its weights. Not with compiled modules, whose graphs the forward
+        # pre-hook would break: refused rather than ignored.
+        self._early_forward = cfg.get("early_forward", False)
+        if self._early_forward and self._compile:
+            raise ValueError("early_forward=True does not combine with compile=True; set one to False.")
         self._model = self._setup_model(cfg.model, ckpt[training.MODEL_KEY], ckpt.get(training.ADAPTER_KEY))
         self._tokenizer = config.instantiate(cfg.tokenizer)
         self._optimizer = self._setup_optimizer(cfg.optimizer, ckpt.get(training.OPT_KEY))

@@ -62,14 +62,14 @@ def _edit(model: nn.Module, step: int, pretrained: dict) -> None:
         model.load_state_dict(copy.deepcopy(model.state_dict()))
 
 
-def _train(model, step_fn, steps, accum, edit, announce=None):
+def _train(model, step_fn, steps, accum, edit, overlap=None):
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     pretrained = make_model(device, dtype, seed=1).state_dict()
     for step in range(steps):
         edit(model, step, pretrained)
         for micro in range(accum):
-            if announce is not None and micro == accum - 1:
-                announce()
+            if overlap is not None and micro == accum - 1:
+                overlap()
             x, y = batch(step, micro, device, dtype)
             ((model(x) - y) ** 2).sum().backward()
         step_fn()
@@ -115,12 +115,12 @@ def test_weights_changed_between_steps_are_what_the_next_step_updates(device, dt
         opt.zero_grad()
         opt.finish_step()  # early-returning: edits come after the step has finished
 
-    announce = None
+    overlap = None
     if spec["how"] in ("overlap", "early"):
-        announce = lambda: opt.overlap_next_step(grad_scale=SCALE, early_forward=spec["how"] == "early")
+        overlap = lambda: opt.overlap_next_step(grad_scale=SCALE, early_forward=spec["how"] == "early")
     accum = 2
     _train(ref_model, twin.step, 6, accum, _edit)
-    _train(model, step, 6, accum, _edit, announce)
+    _train(model, step, 6, accum, _edit, overlap)
     for (name, want), got in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(want.view(torch.uint8), got.detach().view(torch.uint8)), name
 
@@ -250,7 +250,7 @@ def test_a_change_while_an_early_returning_step_still_writes_weights_is_refused(
         opt.finish_step()
     # Afterwards the optimizer follows the weight as it is (zeros, or the new weight if
     # that landed after the edit).
-    assert torch.equal(opt._slot_of[model[2].weight].master, model[2].weight.detach())
+    assert torch.equal(opt._slots[model[2].weight].master, model[2].weight.detach())
 
 
 def test_a_change_after_overlap_next_step_is_refused():

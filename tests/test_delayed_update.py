@@ -97,7 +97,7 @@ def test_applies_each_gradient_one_step_late_exactly(device, grads, clip):
 def test_scale_given_to_overlap_is_applied_in_the_jobs_exactly(device, accumulate_on_device, monkeypatch):
     """overlap_next_step(grad_scale) without scale_grads or clipping: step() reads no
     gradient (each job scales and checks its own); still gradient t applied at t+1."""
-    import offload_plugin.optimizer as optimizer_module
+    import offload_plugin.grad_checks as grad_checks
 
     model = make_model(device)
     ref_model = copy.deepcopy(model)
@@ -105,14 +105,14 @@ def test_scale_given_to_overlap_is_applied_in_the_jobs_exactly(device, accumulat
                   accumulate_on_device=accumulate_on_device, **KW)
     ref = StaleByOne(ref_model, **KW)
     checked_on = []
-    check = optimizer_module.all_finite
+    check = grad_checks.all_finite
 
     def spy(grads):
         import threading
         checked_on.append(threading.current_thread().name)
         return check(grads)
 
-    monkeypatch.setattr(optimizer_module, "all_finite", spy)
+    monkeypatch.setattr(grad_checks, "all_finite", spy)
     for step in range(4):
         _train(model, opt, 1, start=step, scale_in_overlap=True)
         _train(ref_model, ref, 1, start=step, ours=False)
@@ -135,17 +135,17 @@ def test_nonfinite_gradient_judged_in_the_jobs_spares_its_parameter(caplog):
     opt.overlap_next_step(grad_scale=0.5)
     x, y = batch(1, 0, "cpu")
     ((model(x) - y) ** 2).sum().backward()
-    bad = opt._slot_of[trainable(model)[0]]
+    bad = opt._slots[trainable(model)[0]]
     bad.grad.view(-1)[0] = float("nan")  # arrived on the host
     before = {k: v.clone() for k, v in opt.state[trainable(model)[0]].items()}
-    others = [opt._slot_of[p].master.clone() for p in trainable(model)[1:]]
+    others = [opt._slots[p].master.clone() for p in trainable(model)[1:]]
     opt.step()  # returns at once; the update runs in the background
     opt.zero_grad()
     with caplog.at_level("WARNING"):
         opt.state_dict()  # completes the pending update
     after = opt.state[trainable(model)[0]]
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert all(not torch.equal(a, opt._slot_of[p].master) for a, p in zip(others, trainable(model)[1:]))
+    assert all(not torch.equal(a, opt._slots[p].master) for a, p in zip(others, trainable(model)[1:]))
     assert "1 parameters had an inf or NaN gradient" in caplog.text
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import offload_plugin.host_worker as host_worker
-import offload_plugin.optimizer as optimizer_module
+import offload_plugin.host_update as host_update
 from offload_plugin.host_worker import HostUpdateError
 from reference_twin import DEVICES, assert_same_params, batch, make_model, offload, trainable
 
@@ -54,12 +54,12 @@ def test_early_forward_gives_the_same_bits(device, dtype, master_weights, accum,
     ref, opt = offload(ref_model, **kwargs), offload(model, **kwargs)
     want = _steps(ref_model, ref, 4, accum, clip, early=False)
     got = _steps(model, opt, 4, accum, clip, early=True)
-    assert opt._early is not None  # the last step returned before its updates were done
+    assert opt._returned_early is not None  # the last step returned before its updates were done
     opt.finish_step()
     assert got == want
     assert_same_params(ref_model, model, exact=True)
     for p, rp in zip(trainable(model), trainable(ref_model)):
-        torch.testing.assert_close(opt._slot_of[p].master, ref._slot_of[rp].master, rtol=0, atol=0)
+        torch.testing.assert_close(opt._slots[p].master, ref._slots[rp].master, rtol=0, atol=0)
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt.state[p][key], ref.state[rp][key], rtol=0, atol=0)
 
@@ -70,14 +70,14 @@ class _HeldUpdates:
     def __init__(self, monkeypatch):
         self.release = threading.Event()
         self.order = []
-        real = optimizer_module.update_slots
+        real = host_update.update_slots
 
         def held(optimizer, groups, slots, grad_scale):
             self.release.wait(30)
             self.order.extend(slot.order for slot in slots)
             return real(optimizer, groups, slots, grad_scale)
 
-        monkeypatch.setattr(optimizer_module, "update_slots", held)
+        monkeypatch.setattr(host_update, "update_slots", held)
 
 
 def _announced_step(model, opt, step=1):
@@ -109,12 +109,12 @@ def test_step_returns_before_the_updates_and_the_next_forward_waits_for_them(mon
     held = _HeldUpdates(monkeypatch)
     opt._worker.submit(lambda: held.release.wait(30))  # no update starts before step()
     _announced_step(model, opt)  # returns although no update can run yet
-    assert opt._early is not None and held.order == []
+    assert opt._returned_early is not None and held.order == []
     # The updates may proceed only after the forward below has started: it must wait.
     threading.Timer(0.3, held.release.set).start()
     probe, _ = batch(2, 0, "cpu")
     torch.testing.assert_close(model(probe), ref_model(probe), rtol=0, atol=0)
-    assert opt._early is None  # every weight was waited for: the step is finished
+    assert opt._returned_early is None  # every weight was waited for: the step is finished
     # What was left after backward was updated in forward (parameter) order.
     assert held.order == sorted(held.order) and len(held.order) == len(trainable(model))
 
@@ -244,11 +244,11 @@ def test_a_failed_update_surfaces_from_the_next_forward(monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("injected host-update failure")
 
-    monkeypatch.setattr(optimizer_module, "update_slots", broken)
+    monkeypatch.setattr(host_update, "update_slots", broken)
     _announced_step(model, opt)
     with pytest.raises(HostUpdateError, match="injected host-update failure"):
         model(batch(2, 0, "cpu")[0])
-    assert opt._early is None
+    assert opt._returned_early is None
 
 
 def test_state_dict_and_saving_wait_for_the_step(monkeypatch):
@@ -258,15 +258,18 @@ def test_state_dict_and_saving_wait_for_the_step(monkeypatch):
     _announced_step(model, opt)
     threading.Timer(0.3, held.release.set).start()
     got, want = opt.state_dict(), ref.state_dict()
-    assert opt._early is None
+    assert opt._returned_early is None
     for index, state in want["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(got["state"][index][key], value, rtol=0, atol=0)
     assert_same_params(ref_model, model, exact=True)
 
 
-def test_early_forward_is_ignored_with_delayed_update():
+def test_early_forward_with_delayed_update_is_refused_when_asked():
+    """delayed_update's step() returns at once anyway: asking for early_forward too is
+    refused with the fix, not silently ignored."""
     model = make_model()
     opt = offload(model, lr=1e-2, offload_gradients=True, delayed_update=True)
-    _announced_step(model, opt)
-    assert opt._early is None
+    with pytest.raises(ValueError, match="does not combine with delayed_update.*early_forward=False"):
+        opt.overlap_next_step(grad_scale=0.5, early_forward=True)
+    assert not opt.overlapping

@@ -24,7 +24,7 @@ def _wide_model(seed=0):
 def test_host_buffers_are_pinned():
     """Master weights and gradient buffers are page-locked, so copies run asynchronously."""
     opt = offload(_wide_model())
-    for slot in opt._slot_list:
+    for slot in opt._slots:
         assert slot.master.is_pinned() and slot.grad.is_pinned()
         assert slot.master.device.type == "cpu"
 

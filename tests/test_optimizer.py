@@ -184,7 +184,7 @@ def test_offload_gradients_frees_device_grads_and_accumulates():
         assert all(p.grad is None for p in model.parameters())
     opt._settled_host_grads()
     for p, ref_p in zip(trainable(model), trainable(ref_model)):
-        torch.testing.assert_close(opt._slot_of[p].grad, ref_p.grad, rtol=0, atol=0)
+        torch.testing.assert_close(opt._slots[p].grad, ref_p.grad, rtol=0, atol=0)
 
 
 def test_hyperparameter_change_takes_effect_next_step():
@@ -303,7 +303,7 @@ def test_fused_path_is_bitwise_torch_fused_adamw_across_chunks(dtype, monkeypatc
         ref.step()
         opt.zero_grad()
     for p, rp in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(opt._slot_of[p].master, rp.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(opt._slots[p].master, rp.detach(), rtol=0, atol=0)
         torch.testing.assert_close(p, rp.detach().to(dtype), rtol=0, atol=0)
 
 
@@ -353,7 +353,7 @@ def test_overlap_next_step_with_bf16_gradients_rounds_the_scale_as_scale_grads(m
         opt.zero_grad()
     assert_same_params(ref_model, model, exact=True)
     for p, rp in zip(trainable(model), trainable(ref_model)):
-        torch.testing.assert_close(opt._slot_of[p].master, ref._slot_of[rp].master, rtol=0, atol=0)
+        torch.testing.assert_close(opt._slots[p].master, ref._slots[rp].master, rtol=0, atol=0)
 
 
 def _clipped_steps(model, opt, steps, accum, clip, announce, second_clip=None):
@@ -371,7 +371,7 @@ def _clipped_steps(model, opt, steps, accum, clip, announce, second_clip=None):
             ((model(x) - y) ** 2).sum().backward()
         if announce and host_worker.BATCH_NUMEL == 0:  # the worker scaled and normed
             opt._worker.drain()                          # every gradient during backward
-            assert len(opt._prenorm["norms"]) == len(trainable(model))
+            assert len(opt._scaling.clip_norms.norms) == len(trainable(model))
         if not announce:
             opt.scale_grads(torch.tensor(1.0 / rows))
         norms.append(opt.clip_grad_norm_(clip))
@@ -405,7 +405,7 @@ def test_clipped_step_announced_with_overlap_next_step_is_exact(dtype, master_we
     assert (max(n.item() for n in want) > clip) == (clip < 1)  # the small clip does clip
     assert_same_params(ref_model, model, exact=True)
     # The mode ends with its step.
-    assert opt._clip_coef is None and opt._prenorm is None
+    assert opt._scaling.clip_coef is None and opt._scaling.clip_norms is None
 
 
 def test_clipping_announced_with_mixed_dtypes_sums_norms_in_torchs_order():
@@ -623,7 +623,7 @@ def test_host_buffers_and_state_are_backed_by_huge_pages():
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    slot = opt._slot_of[params[0]]
+    slot = opt._slots[params[0]]
     state = opt.state[params[0]]
     assert _huge_page_kib(plain) == 0  # the control: no advice, no huge pages
     for tensor in (slot.master, slot.grad, state["exp_avg"], state["exp_avg_sq"]):

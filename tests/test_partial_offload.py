@@ -20,7 +20,7 @@ FRACTION = 0.9  # the model's first weight and bias (1,056 of 1,188 trainable el
 
 
 def _kept(opt):
-    return [p for p in trainable_params(opt) if p not in opt._slot_of]
+    return [p for p in trainable_params(opt) if p not in opt._slots]
 
 
 def trainable_params(opt):
@@ -36,7 +36,7 @@ def test_keeps_the_leading_parameters_up_to_the_fraction(caplog):
     assert _kept(opt) == params[:2]
     assert "and 2 (1,056 elements) on the device" in caplog.text
     assert "device_fraction=" in repr(opt)
-    assert [p for p in params if p in opt._slot_of] == params[2:]
+    assert [p for p in params if p in opt._slots] == params[2:]
     # A fraction smaller than the first tensor keeps nothing on the device.
     assert _kept(offload(make_model(), device_fraction=0.01, **KW)) == []
 

@@ -10,6 +10,7 @@ import torch
 
 import offload_plugin
 import offload_plugin.grad_checks as grad_checks
+import offload_plugin.host_update as host_update
 import offload_plugin.optimizer as optimizer_module
 from offload_plugin import CPUOffloadOptimizer
 from offload_plugin.host_worker import HostUpdateError
@@ -18,7 +19,7 @@ from reference_twin import assert_same_params, batch, make_model, offload, train
 
 def _snapshot(opt):
     """Every host tensor the optimizer owns, copied."""
-    return copy.deepcopy(opt.state_dict()), [s.master.clone() for s in opt._slot_list]
+    return copy.deepcopy(opt.state_dict()), [s.master.clone() for s in opt._slots]
 
 
 def _assert_unchanged(opt, snap):
@@ -84,12 +85,12 @@ def test_nonfinite_during_overlapped_updates_spares_that_parameter(value, caplog
     state; the verdicts come from the extremes taken on the device, not a host pass."""
     scanned = []
     real = grad_checks.all_finite
-    monkeypatch.setattr(optimizer_module, "all_finite", lambda ts: scanned.extend(ts) or real(ts))
+    monkeypatch.setattr(grad_checks, "all_finite", lambda ts: scanned.extend(ts) or real(ts))
     model = make_model()
     opt = offload(model, lr=1e-2, offload_gradients=True)
     train(model, opt, 1, via_optimizer=True)
     bad = model[2].weight
-    master, state = opt._slot_of[bad].master.clone(), copy.deepcopy(opt.state[bad])
+    master, state = opt._slots[bad].master.clone(), copy.deepcopy(opt.state[bad])
     _poison_next_backward(model, value)
     opt.overlap_next_step(grad_scale=0.1)
     x, y = batch(5, 0, "cpu")
@@ -98,7 +99,7 @@ def test_nonfinite_during_overlapped_updates_spares_that_parameter(value, caplog
         ((model(x) - y) ** 2).sum().backward()
         opt.step()
     assert "1 parameters had an inf or NaN gradient" in caplog.text
-    torch.testing.assert_close(opt._slot_of[bad].master, master, rtol=0, atol=0)
+    torch.testing.assert_close(opt._slots[bad].master, master, rtol=0, atol=0)
     torch.testing.assert_close(opt.state[bad]["exp_avg"], state["exp_avg"], rtol=0, atol=0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert scanned == []  # no pass over a gradient: its two extremes are read directly
@@ -111,7 +112,7 @@ def test_overlapped_update_checks_the_accumulated_sum_not_the_last_micro_batch(c
     opt = offload(model, lr=1e-2, offload_gradients=True)
     train(model, opt, 1, via_optimizer=True)
     bad = model[2].weight
-    master = opt._slot_of[bad].master.clone()
+    master = opt._slots[bad].master.clone()
     _poison_next_backward(model)
     x, y = batch(5, 0, "cpu")
     ((model(x) - y) ** 2).sum().backward()  # first micro-batch: carries the inf
@@ -120,7 +121,7 @@ def test_overlapped_update_checks_the_accumulated_sum_not_the_last_micro_batch(c
         ((model(x) - y) ** 2).sum().backward()
         opt.step()
     assert "1 parameters had an inf or NaN gradient" in caplog.text
-    torch.testing.assert_close(opt._slot_of[bad].master, master, rtol=0, atol=0)
+    torch.testing.assert_close(opt._slots[bad].master, master, rtol=0, atol=0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -129,7 +130,7 @@ def test_scaling_detects_nonfinite_without_a_second_pass(offload_gradients, monk
     """After scale_grads, step() reuses its verdict; a gradient changed since is scanned again."""
     scans = []
     real = grad_checks.all_finite
-    monkeypatch.setattr(optimizer_module, "all_finite", lambda ts: scans.append(len(ts)) or real(ts))
+    monkeypatch.setattr(grad_checks, "all_finite", lambda ts: scans.append(len(ts)) or real(ts))
     model = make_model()
     opt = offload(model, lr=1e-2, offload_gradients=offload_gradients)
     x, y = batch(0, 0, "cpu")
@@ -150,7 +151,7 @@ def test_failure_in_host_update_surfaces_with_its_traceback(monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("injected host-update failure")
 
-    monkeypatch.setattr(optimizer_module, "update_slots", broken)
+    monkeypatch.setattr(host_update, "update_slots", broken)
     with pytest.raises(HostUpdateError, match="injected host-update failure") as info:
         train(model, opt, 1)
     assert isinstance(info.value.__cause__, ValueError)
@@ -342,9 +343,12 @@ def test_a_dropped_optimizer_is_freed_and_stops_its_host_thread(offload_gradient
     def worker_threads():
         return {t for t in threading.enumerate() if t.name == "offload-host-update"}
 
+    gc.collect()
     before = worker_threads()
     model = make_model()
-    opt = offload(model, lr=1e-2, offload_gradients=offload_gradients)
+    # A thread count no other optimizer of this process uses: optimizers share a worker
+    # per device and thread count (offload_plugin.process), which the last one frees.
+    opt = offload(model, lr=1e-2, offload_gradients=offload_gradients, host_threads=7)
     train(model, opt, 2, via_optimizer=True)
     started = worker_threads() - before
     assert len(started) == 1
@@ -412,7 +416,7 @@ def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(d
     model = copy.deepcopy(ref_model)
     ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
     ours = offload(model, lr=1e-2, offload_gradients=True, delayed_update=delayed)
-    for slot in ours._slot_list:
+    for slot in ours._slots:
         slot.settle_lock = RecordingLock(slot)
     train(ref_model, ref, 3, accum=3)
     for step in range(3):
@@ -459,3 +463,26 @@ def test_second_backward_after_announcing_the_last_is_refused(mode):
     opt._worker.drain()
     with pytest.raises(RuntimeError, match="LAST backward"):
         ((model(x) - y) ** 2).sum().backward()
+
+
+def test_optimizers_of_a_process_share_one_host_worker_and_stay_exact():
+    """torchtune's optimizer_in_bwd builds one optimizer per parameter: all of them share
+    one host worker thread and one pair of streams, and each still trains exactly."""
+    ref_model, model = twins()
+    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2, fused=True)
+    per_param = [CPUOffloadOptimizer([p], lr=1e-2, fused=True, offload_gradients=True)
+                 for p in trainable(model)]
+    assert len({id(o._worker) for o in per_param}) == 1
+    assert len({id(o._transfers) for o in per_param}) == 1
+    for step in range(3):
+        for m, opts in ((ref_model, [ref]), (model, per_param)):
+            x, y = batch(step, 0, "cpu")
+            ((m(x) - y) ** 2).sum().backward()
+            for o in opts:
+                if o is ref:
+                    [p.grad.mul_(0.125) for p in trainable(m)]
+                else:
+                    o.scale_grads(0.125)
+                o.step()
+                o.zero_grad()
+    assert_same_params(ref_model, model, exact=True)

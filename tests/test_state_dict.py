@@ -143,4 +143,4 @@ def test_checkpoint_without_master_weights_starts_from_device_weights():
     train(model, plain, 2)
     opt.load_state_dict(plain.state_dict())
     for p in trainable(model):
-        assert torch.equal(opt._slot_of[p].master, p.float())
+        assert torch.equal(opt._slots[p].master, p.float())

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Before/after on one machine: the same bench_train.py runs from two checkouts, alternating
+# (before, after, before, after), so that a change is judged against run-to-run spread.
+#   git worktree add /tmp/before <commit>       # or: git archive <commit> | tar -x -C DIR
+#   bash bench/compare_trees.sh /tmp/before 1b qlora 8b
+# Stages (each ~2-5 minutes on the H200 machine): 1b (Llama-3.2-1B full 4k, exact with and
+# without masters, early_forward), qlora (Llama-3.1-8B QLoRA 4k), 8b (Llama-3.1-8B full 4k,
+# exact without masters). Results: $OUT/<stage>-<before|after>-<round>.{json,md}.
+set -uo pipefail
+before=$(cd "$1" && pwd); shift
+after=$(cd "$(dirname "$0")/.." && pwd)
+OUT=${OUT:-/tmp/compare-trees}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+status=0
+run() {  # tag, tree, bench_train args...
+    local tag=$1 tree=$2; shift 2
+    echo "== $tag ($tree)"
+    # bench_train.py puts its own checkout first on sys.path: each tree runs its own code.
+    (cd "$tree" && python3 bench/bench_train.py "$@" --out "$OUT/$tag.json" >"$OUT/$tag.md" 2>"$OUT/$tag.log") || status=1
+    grep -E "^\| (offload|optimizer)" "$OUT/$tag.md" || tail -5 "$OUT/$tag.log"
+}
+for stage in "$@"; do
+    case $stage in
+    1b) args=(--model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 --steps 8
+              --optimizers offload_grads_early,offload_grads_nomaster_early) ;;
+    qlora) args=(--model llama3_1_8b --job qlora --tokens-per-step 4096 --seq-len 2048 --steps 6
+                 --optimizers offload_grads) ;;
+    8b) args=(--model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 --steps 5
+              --optimizers offload_grads_nomaster_early) ;;
+    *) echo "unknown stage $stage"; exit 2 ;;
+    esac
+    for round in 1 2; do
+        run "$stage-before-$round" "$before" "${args[@]}"
+        run "$stage-after-$round" "$after" "${args[@]}"
+    done
+done
+exit $status

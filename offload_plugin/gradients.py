@@ -1,0 +1,158 @@
+"""The gradient path: gradients from the device into each slot's host buffer.
+
+Two ways in. With ``offload_gradients`` each gradient leaves the device in a backward
+hook, as soon as autograd has accumulated it (:meth:`GradientPath.offload`), and its
+device memory is freed; a second micro-batch's gradient lands beside the running sum and
+the host worker adds it. Without, the recipe keeps ``.grad`` on the device (it scales and
+clips there) and ``step()`` copies them over (:meth:`GradientPath.copy_at_step`). Either
+way a slot's gradient is complete once :meth:`GradientPath.settle` has waited for its
+copies and added what landed.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+
+from offload_plugin import native_adam
+from offload_plugin.distributed import local_part
+from offload_plugin import grad_checks
+from offload_plugin.host_buffers import HostArena, HostSlot, allocate_landing
+from offload_plugin.host_worker import HostWorker
+from offload_plugin.slots import SlotTable
+from offload_plugin.transfer import Transfers, min_max_into
+
+__all__ = ["GradientPath", "check_dense"]
+
+
+def check_dense(grad: torch.Tensor) -> None:
+    if grad.is_sparse:
+        raise RuntimeError(
+            "CPUOffloadOptimizer does not support sparse gradients; build embeddings "
+            "with sparse=False."
+        )
+
+
+class GradientPath:
+    """Moves and accumulates one optimizer's gradients in host memory."""
+
+    def __init__(self, table: SlotTable, transfers: Transfers, worker: HostWorker,
+                 arena: HostArena, pin: bool, delayed_update: bool) -> None:
+        self.table, self.transfers, self.worker, self.arena = table, transfers, worker, arena
+        self._pin, self._delayed_update = pin, delayed_update
+
+    def offload(self, slot: HostSlot, before: Optional[Callable] = None,
+                extremes: bool = False, add_in_worker: bool = True) -> bool:
+        """Send ``slot.param.grad`` to the host and free it on the device. Returns whether
+        it was the slot's first gradient of the step (else it is added to the sum).
+
+        ``before(device_grad)`` runs on the device first (see Transfers.to_host); with
+        ``extremes`` the gradient's minimum and maximum come along, so that the host can
+        judge a first gradient without a pass over it. ``add_in_worker``: the host worker
+        adds an accumulated gradient as soon as it lands (else whoever settles it does).
+        """
+        param = slot.param
+        check_dense(param.grad)
+        grad = local_part(param.grad)
+        first = not slot.has_grad
+        if first:
+            if extremes and grad.numel() > 0:
+                before = partial(min_max_into, *self._extremes_of(slot, grad))
+            slot.grad_event = self.transfers.to_host([(grad, slot.grad)], before=before)
+            slot.has_grad, slot.extremes_current = True, extremes and grad.numel() > 0
+        else:
+            # Gradient accumulation: land the new gradient beside the running sum; the host
+            # worker adds it (in the gradient's dtype, as autograd would on the device)
+            # while this thread goes on launching the backward. The previous micro-batch's
+            # addition is normally done by now; if not, this thread does it first.
+            self.settle(slot)
+            slot.extremes_current = False  # they describe one micro-batch, not the sum
+            if slot.incoming is None:
+                self._give_landing_buffers()
+            slot.incoming_event = self.transfers.to_host([(grad, slot.incoming)])
+            slot.incoming_pending = True
+            if add_in_worker:
+                self.worker.submit(lambda: self.settle(slot), urgent=True)
+        param.grad = None
+        return first
+
+    def _extremes_of(self, slot: HostSlot, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two-element buffers (device, host) for ``slot``'s gradient extremes, made once."""
+        if slot.extremes is None or slot.extremes[0].dtype != grad.dtype:
+            pin = self._pin and self.transfers.is_async
+            slot.extremes = (torch.empty(2, dtype=grad.dtype, device=grad.device),
+                             torch.empty(2, dtype=grad.dtype, pin_memory=pin))
+        return slot.extremes
+
+    @staticmethod
+    def landed_finite(slot: HostSlot) -> bool:
+        """Whether ``slot``'s settled host gradient is free of inf/NaN."""
+        if slot.extremes_current:  # inf and NaN propagate to the minimum or maximum
+            # Two numbers: read in Python, where a torch or native call would give up the GIL.
+            return all(math.isfinite(x) for x in slot.extremes[1].tolist())
+        return grad_checks.all_finite([slot.grad])
+
+    def _give_landing_buffers(self) -> None:
+        """Landing buffers for accumulated gradients, allocated at the first accumulation.
+
+        The weight stage is idle until this step's update (its last copy to the device is
+        ordered before this backward), so it serves where there is one; not with
+        delayed_update, whose update writes the stage during this backward.
+        """
+        need = []
+        for slot in self.table:
+            if slot.incoming is None:
+                if slot.weight_stage is not None and not self._delayed_update:
+                    slot.incoming = slot.weight_stage
+                else:
+                    need.append(slot)
+        allocate_landing(need, self.arena)
+
+    @staticmethod
+    def settle(slot: HostSlot) -> None:
+        """Wait for a slot's gradient copies and add an accumulated one to the running sum.
+
+        Runs on the host worker or the training thread, whichever needs it first.
+        """
+        with slot.settle_lock:
+            Transfers.wait(slot.grad_event)
+            slot.grad_event = None
+            if slot.incoming_pending:
+                Transfers.wait(slot.incoming_event)
+                native_adam.add_(slot.grad, slot.incoming)  # torch's add_, one faster pass
+                slot.incoming_pending, slot.incoming_event = False, None
+
+    @staticmethod
+    def landed(slot: HostSlot) -> bool:
+        """Whether ``slot``'s gradient copies have completed (an update would not wait)."""
+        incoming = slot.incoming_event if slot.incoming_pending else None
+        return Transfers.landed(slot.grad_event) and Transfers.landed(incoming)
+
+    def copy_at_step(self, slots) -> None:
+        """Without offload_gradients: the recipe has finished with ``.grad`` (scaling,
+        clipping); copy each to its slot."""
+        for slot in slots:
+            if slot.param.grad is not None:
+                slot.grad_event = self.transfers.to_host([(local_part(slot.param.grad), slot.grad)])
+                slot.has_grad = True
+
+    def reset(self, set_to_none: bool = True) -> None:
+        """Offloaded gradients as torch's zero_grad leaves ``.grad``: gone, or zeros that
+        the next backward adds to and the next step applies (step count, weight decay)."""
+        for slot in self.table:
+            # Let in-flight copies land before their buffers count as free again. The lock:
+            # with delayed_update the worker may be adding an accumulated gradient.
+            with slot.settle_lock:
+                Transfers.wait(slot.grad_event)
+                Transfers.wait(slot.incoming_event)
+                if slot.incoming_pending or not set_to_none:
+                    slot.extremes_current = False
+                if slot.has_grad and not set_to_none:
+                    slot.grad.zero_()
+                else:
+                    slot.has_grad = False
+                slot.incoming_pending = False
+                slot.grad_event = slot.incoming_event = None

@@ -1,0 +1,61 @@
+"""What every CPUOffloadOptimizer in a process shares: the host worker and the transfer
+streams.
+
+They belong to the process, not to one optimizer: torchtune's ``optimizer_in_bwd`` builds
+one optimizer per parameter, and each with a thread of its own (every one with an OpenMP
+team over all host cores), its own streams and its own pinned blocks would compete for the
+same cores and bandwidth. So optimizers whose parameters are on the same device and that
+ask for the same host thread count share one :class:`Resources`. It lives as long as an
+optimizer holds it: the last one dropped frees its thread (see host_worker). Host buffers
+stay each optimizer's own (its ``HostArena``), freed with it.
+
+A shared worker runs every instance's jobs in one queue, in submission order; ``drain()``
+waits for all of them, and an error raised by any job is raised by the next ``drain()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+from offload_plugin.host_worker import HostWorker
+from offload_plugin.transfer import Transfers
+
+__all__ = ["Resources", "resources"]
+
+
+@dataclasses.dataclass(eq=False)
+class Resources:
+    """One device's transfer streams and a host worker."""
+
+    transfers: Transfers
+    worker: HostWorker
+
+
+_shared: "weakref.WeakValueDictionary[tuple, Resources]" = weakref.WeakValueDictionary()
+_lock = threading.Lock()
+
+
+def resources(device: torch.device, host_threads: Optional[int]) -> Resources:
+    """The shared resources for parameters on ``device`` (made on first use).
+
+    ``host_threads=None``: with a GPU, all intra-op threads but one, whose core launches
+    the GPU work; without one, all of them.
+    """
+    transfers = Transfers(device)
+    threads = torch.get_num_threads()
+    if host_threads is None:
+        host_threads = max(1, threads - 1) if transfers.is_async else threads
+    key = (str(transfers.device), host_threads)
+    with _lock:
+        shared = _shared.get(key)
+        if shared is None:
+            shared = Resources(transfers, HostWorker(host_threads))
+            _shared[key] = shared
+            if host_threads != threads:  # it will set its own count: do it now (see start)
+                shared.worker.start()
+    return shared

@@ -1,0 +1,62 @@
+"""The ``after_backward`` schedule: step() judges all gradients, then updates every slot.
+
+The plain schedule (no ``overlap_next_step``), and the overlapped one for clipped or
+sharded steps, whose gradients already left the device during backward: step() scales
+by overlap_next_step's scale if not yet applied, agrees on the inf/NaN verdict (with every rank
+when sharded), copies device gradients to the host (without ``offload_gradients``), and
+hands each slot to the host worker; the parameters kept on the device update meanwhile.
+Also the last part of the ``during_backward`` schedule's step (``submit_the_rest``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from offload_plugin import grad_checks
+from offload_plugin.updates import StepPlan
+
+__all__ = ["start", "submit_the_rest", "step_on_device", "report_spared"]
+
+
+def start(opt) -> Optional[StepPlan]:
+    """The step's plan once every gradient is judged finite; None if the step is skipped."""
+    opt._scaling.warn_if_unscaled(opt.param_groups)
+    # A grad_scale that overlap_next_step left to step() is applied by _grads_in_place.
+    grads = opt._grads_in_place("step()") if opt._overlap is not None else opt._ready_grads()
+    if not opt._scaling.step_is_finite(grads, opt._slots.meshes):
+        opt._scaling.report_skipped_step(grads)
+        return None
+    if not opt.offload_gradients:
+        opt._grads.copy_at_step(opt._slots.in_order(opt._params()))
+    opt._running = opt._updates.plan(opt.param_groups, grad_scale=None, check_each=False,
+                                     clip_coef=opt._scaling.clip_coef)
+    return opt._running
+
+
+def submit_the_rest(opt, plan: StepPlan) -> None:
+    """Hand every slot with a gradient not yet submitted to the worker."""
+    for slot in opt._slots.in_order(opt._params()):
+        if opt.offload_gradients and slot.param.grad is not None:
+            opt._offload_grad(slot.param)  # set by hand; offloading submits it
+        elif slot.has_grad and slot.master not in plan.submitted:
+            opt._submit(plan, slot)
+
+
+def step_on_device(opt, plan: StepPlan) -> None:
+    """Partial offload: update the parameters kept on the device (device_fraction)."""
+    share = opt._device_share
+    grads = share.grads(opt._params()) if share is not None else []
+    if not grads:
+        return
+    if plan.check_each and not grad_checks.all_finite(grads):  # no whole-step verdict to reuse
+        plan.device_nonfinite = len(grads)
+        return
+    share.step(opt.param_groups, plan.grad_scale)
+    plan.device_updated = len(grads)
+
+
+def report_spared(opt, plan: StepPlan) -> None:
+    """Warn (or raise) about parameters whose non-finite gradients their updates found."""
+    skipped = len(plan.nonfinite) + plan.device_nonfinite
+    updated = len(plan.submitted) - len(plan.nonfinite) + plan.device_updated
+    opt._scaling.report_spared(updated, skipped)

@@ -1,0 +1,168 @@
+"""The ``delayed`` schedule (``delayed_update=True``, opt-in, NOT exact).
+
+step() finishes the previous step's update, then hands this step's gradients to the host
+worker and returns at once: the update runs during the next forward and backward, which
+therefore still use the weights from before it (each gradient is applied one step late,
+as in DeepSpeed's delayed parameter update). Each updated weight goes back to the device
+once the next step's last backward is done with it (which ``overlap_next_step`` marks),
+else at the next step(). The next backward's gradients land in a second buffer
+(``grad_spare``) while the update reads the first.
+
+Without ``scale_grads`` or clipping (``overlap_next_step(grad_scale)`` scales), each update
+scales and checks its own gradient, so step() reads no gradient; a parameter with an
+inf/NaN gradient is left unchanged while the others update, reported by the next step().
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from functools import partial
+from typing import Optional
+
+from offload_plugin import grad_checks
+from offload_plugin.host_buffers import HostSlot, weight_mark
+from offload_plugin import host_update
+from offload_plugin.host_worker import JobBatch
+from offload_plugin.schedules import after_backward
+from offload_plugin.transfer import Transfers
+from offload_plugin.updates import StepPlan
+
+__all__ = ["Pending", "step", "finish", "release_for_push"]
+
+
+@dataclasses.dataclass
+class Pending:
+    """The update running in the background, and the lock its weight copies take (from the
+    worker, or from a backward hook)."""
+
+    plan: Optional[StepPlan] = None
+    push_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+def step(opt) -> None:
+    """Finish the previous step's update, then start this one's and return."""
+    overlap = opt._overlap
+    try:
+        finish(opt)
+        if _judge_in_jobs(opt):
+            # Nothing has read all gradients this step (no scale_grads, no clipping): each
+            # job scales its gradient inside the update (overlap_next_step's grad_scale)
+            # and checks it first, so the training thread makes no pass over the gradients
+            # while the GPU waits for the next forward.
+            grad_scale, overlap.pending_scale = overlap.pending_scale, None
+            opt._settled_host_grads()
+            plan = opt._updates.plan(opt.param_groups, grad_scale, check_each=True,
+                                     clip_coef=None, wait_pushes=False)
+        else:
+            grads = opt._grads_in_place("step()")
+            opt._scaling.warn_if_unscaled(opt.param_groups)
+            if not opt._scaling.step_is_finite(grads, opt._slots.meshes):
+                opt._scaling.report_skipped_step(grads)
+                return
+            if not opt.offload_gradients:
+                opt._grads.copy_at_step(opt._slots.in_order(opt._params()))
+            plan = opt._updates.plan(opt.param_groups, grad_scale=None, check_each=False,
+                                     clip_coef=None, wait_pushes=False)
+        _submit(opt, plan)
+        after_backward.step_on_device(opt, plan)
+    finally:
+        opt._overlap = None
+        if not opt.offload_gradients:
+            for slot in opt._slots:
+                slot.has_grad = False
+
+
+def _judge_in_jobs(opt) -> bool:
+    """Whether this step's scaling and inf/NaN check can move into the per-parameter jobs:
+    gradients offloaded and overlapped (overlap_next_step), and untouched since (a scale
+    or clip already read them all; then its verdict is reused). Not for sharded
+    parameters, whose ranks must agree on one verdict."""
+    return (opt.offload_gradients and opt._overlap is not None and not opt._slots.sharded
+            and not opt._scaling.finite.known())
+
+
+def _submit(opt, plan: StepPlan) -> None:
+    """Hand every parameter with a gradient to the worker; the next backward lands in the
+    other gradient buffer."""
+    opt._adopt_changed_weights()
+    batch = JobBatch(opt._worker, partial(_update, opt, plan))
+    for slot in opt._slots.in_order(opt._params()):
+        if not slot.has_grad:
+            continue
+        job_slot = dataclasses.replace(slot)  # this step's gradient buffer and events
+        if slot.grad_spare is not None:  # the next backward lands in the other one
+            slot.grad, slot.grad_spare = slot.grad_spare, slot.grad
+        slot.has_grad, slot.grad_event = False, None
+        plan.submitted.add(slot.master)
+        batch.add((slot, job_slot), slot.master.numel())
+    batch.flush()
+    opt._pending.plan = plan
+
+
+def _update(opt, plan: StepPlan, pairs: list[tuple[HostSlot, HostSlot]]) -> None:
+    """Worker job: update a batch of parameters (each ``(slot, job_slot)``: the slot and its
+    copy holding this step's gradient buffer), then send each updated weight the device is
+    done with."""
+    finite = []
+    for slot, job_slot in pairs:
+        Transfers.wait(slot.push_event)  # the previous weight has left the stage
+        opt._grads.settle(job_slot)
+        if plan.check_each and not grad_checks.all_finite([job_slot.grad]):
+            plan.nonfinite.append(slot)  # unchanged; nothing to send
+        else:
+            finite.append((slot, job_slot))
+    if not finite:
+        return
+    host_update.update_slots(opt._host_optimizer, plan.groups, [j for _, j in finite], plan.grad_scale)
+    with opt._pending.push_lock:
+        for slot, _ in finite:
+            slot.push_ready = True
+            if slot.free_to_push:
+                _push(opt, slot)
+
+
+def release_for_push(opt, slot: HostSlot) -> None:
+    """The last backward before step() is done with ``slot``'s weight."""
+    pending = opt._pending
+    with pending.push_lock:
+        if pending.plan is not None and slot.master in pending.plan.submitted:
+            _allow_push(opt, slot)
+
+
+def _allow_push(opt, slot: HostSlot) -> None:
+    """The device no longer reads ``slot``'s weight: send it now if it is updated, else let
+    its job send it (caller holds the push lock)."""
+    slot.free_to_push = True
+    if slot.push_ready:
+        _push(opt, slot)
+
+
+def _push(opt, slot: HostSlot) -> None:
+    """Copy an updated weight to the device (caller holds the push lock), unless the weight
+    was changed outside the optimizer meanwhile: the change wins, and the next step or
+    state_dict() takes it over (see weight_sync)."""
+    if weight_mark(slot.param) == slot.mark:
+        slot.push_event = opt._transfers.to_device([(slot.weight_source(), slot.device_weight())])
+        opt._updates.last_push = slot.push_event  # copies complete in issue order
+    slot.push_ready = slot.free_to_push = False
+
+
+def finish(opt) -> None:
+    """Wait for the background update and put all of its weights on the device."""
+    pending = opt._pending
+    plan = pending.plan
+    if plan is None:
+        return
+    try:
+        with pending.push_lock:
+            for slot in opt._slots:
+                if slot.master in plan.submitted:
+                    _allow_push(opt, slot)
+        opt._worker.drain()  # jobs that finish now push their own weights
+    finally:
+        pending.plan = None
+        for slot in opt._slots:
+            slot.push_ready = slot.free_to_push = False
+        opt._transfers.order_compute_after(opt._updates.last_push)
+    after_backward.report_spared(opt, plan)  # judged in the jobs: reported one step late

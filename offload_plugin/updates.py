@@ -1,0 +1,212 @@
+"""The host update queue: one step's plan, and the worker jobs that update slots and send
+their weights back to the device.
+
+Every schedule but the delayed one hands its slots to :class:`Updates` one by one (from a
+backward hook as each gradient lands, or from ``step()``); small slots go to the host
+worker several at a time. Each job takes the next batch from the front of the queue when
+it runs, so a schedule can reorder what is left (early_forward puts it in forward order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from offload_plugin import host_worker
+from offload_plugin.distributed import local_part
+from offload_plugin.gradients import GradientPath
+from offload_plugin.host_buffers import HostSlot
+from offload_plugin import host_update
+from offload_plugin.host_worker import HostWorker
+from offload_plugin.transfer import Transfers
+
+__all__ = ["StepPlan", "Updates"]
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One step's updates, from their first submission until the step is complete."""
+
+    groups: dict  # host master -> its param group in the host optimizer
+    grad_scale: Optional[float]  # multiply each gradient by this in its update
+    check_each: bool  # no whole-step inf/NaN verdict: each update judges its own gradient
+    clip_coef: Optional[torch.Tensor]  # left by clip_grad_norm_ for the updates to apply
+    submitted: set = dataclasses.field(default_factory=set)  # masters handed to the worker
+    nonfinite: list = dataclasses.field(default_factory=list)  # slots spared (inf/NaN)
+    device_updated: int = 0  # partial offload: parameters updated on the device,
+    device_nonfinite: int = 0  # and those spared there
+    # Slots waiting for their update, and the elements queued since the last job.
+    todo: list = dataclasses.field(default_factory=list)
+    todo_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    queued_numel: int = 0
+    batch_numel: int = dataclasses.field(default_factory=lambda: host_worker.BATCH_NUMEL)
+    # early_forward: per parameter (by id), set once its weight is sent, and its copy's event.
+    ready: dict = dataclasses.field(default_factory=dict)
+    pushed: dict = dataclasses.field(default_factory=dict)
+    newest_first: bool = False  # during backward, update the gradient that landed last first
+    landed_first: bool = False  # after step() returned: forward order, landed gradients first
+    pushes_after: object = None  # weight copies need wait only for this compute event
+    gates: dict = dataclasses.field(default_factory=dict)  # early_forward: id -> slot not yet waited for
+    hook: object = None  # early_forward's module forward pre-hook
+    zero_grad: Optional[bool] = None  # zero_grad(set_to_none) asked while it ran
+
+
+class Updates:
+    """Submits one optimizer's slot updates to the host worker and sends weights back."""
+
+    def __init__(self, host_optimizer: Callable[[], Optimizer], grads: GradientPath,
+                 transfers: Transfers, worker: HostWorker) -> None:
+        self._host_optimizer = host_optimizer  # (created with the first param group)
+        self.grads, self.transfers, self.worker = grads, transfers, worker
+        self.last_push = None  # event of the latest weight copy (copies complete in order)
+
+    # ------------------------------------------------------------------ planning
+    def plan(self, param_groups: list[dict], grad_scale: Optional[float], check_each: bool,
+             clip_coef: Optional[torch.Tensor], in_flight: bool = False,
+             wait_pushes: bool = True) -> StepPlan:
+        """A plan for one step's updates, with the current hyperparameters.
+
+        ``in_flight``: a step that returned early is still updating with the previous
+        values; the worker runs jobs in order, so the new ones are set after its jobs.
+        """
+        # Schedulers write lr/betas/momentum into our groups; the host update reads them
+        # from its own. (A tensor lr is changed in place: copy its value.)
+        hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v
+                  for k, v in outer.items() if k != "params"} for outer in param_groups]
+        if in_flight:
+            # Its weight copies need no wait here: each parameter's next gradient comes
+            # from a forward that waited for its copy.
+            self.worker.submit(partial(self._set_hyperparameters, hyper))
+        else:
+            self._set_hyperparameters(hyper)
+            if wait_pushes:
+                # The previous step's weight copies read master/weight_stage: let them
+                # finish. (delayed_update waits per parameter, in its jobs.)
+                Transfers.wait(self.last_push)
+        host = self._host_optimizer()
+        groups = {m: g for g in host.param_groups for m in g["params"]}
+        return StepPlan(groups=groups, grad_scale=grad_scale, check_each=check_each,
+                        clip_coef=clip_coef)
+
+    def _set_hyperparameters(self, hyper: list[dict]) -> None:
+        for values, inner in zip(hyper, self._host_optimizer().param_groups):
+            inner.update(values)
+
+    # ------------------------------------------------------------------ submitting
+    def submit(self, plan: StepPlan, slot: HostSlot) -> None:
+        """Queue ``slot``'s update (small slots go to the worker several at a time)."""
+        plan.submitted.add(slot.master)
+        with plan.todo_lock:
+            plan.todo.append(slot)
+            plan.queued_numel += slot.master.numel()
+            full = plan.queued_numel >= plan.batch_numel
+            if full:
+                plan.queued_numel = 0
+        if full:
+            self.worker.submit(partial(self._update_next, plan))
+
+    def flush(self, plan: Optional[StepPlan]) -> None:
+        """Have the worker update every queued slot, including batches not yet full."""
+        if plan is None:
+            return
+        with plan.todo_lock:
+            queued, plan.queued_numel = bool(plan.todo), 0
+        if queued:
+            self.worker.submit(partial(self._update_rest, plan))
+
+    def _update_rest(self, plan: StepPlan) -> None:
+        """Worker job: update batches until no slot is queued."""
+        while self._update_next(plan):
+            pass
+
+    def _update_next(self, plan: StepPlan) -> bool:
+        """Worker job: update the next batch of queued slots; False if none was left."""
+        with plan.todo_lock:
+            todo = plan.todo
+            first, end = self._next_batch(plan, todo) if todo else (0, 0)
+            slots, plan.todo = todo[first:end], todo[:first] + todo[end:]
+        if slots:
+            self._update_batch(plan, slots)
+        return bool(slots)
+
+    def _next_batch(self, plan: StepPlan, todo: list[HostSlot]) -> tuple[int, int]:
+        """The range of ``todo`` to update next: about ``batch_numel`` elements, at least
+        one slot."""
+        landed = self.grads.landed
+        if plan.newest_first and not plan.landed_first:
+            # early_forward, during backward (todo in arrival order): the gradient that
+            # landed last, and those before it. What backward leaves is then spread over
+            # the whole model, so the host keeps updating until the next forward reaches
+            # its last layers; oldest first would leave it the early layers only, and
+            # the forward of the later ones would run with the host idle.
+            last = next((i for i in range(len(todo) - 1, -1, -1) if landed(todo[i])), 0)
+            first, numel = last, todo[last].master.numel()
+            while first > 0 and numel < plan.batch_numel:
+                first -= 1
+                numel += todo[first].master.numel()
+            return first, last + 1
+        first = 0
+        if plan.landed_first:
+            # Forward order, but skipping gradients still on their way: the first
+            # parameters of the forward are the last of the backward (the embedding
+            # lands last), and waiting for them would leave the host idle. If none
+            # has landed, wait for the one that lands first: copies land in backward
+            # order, so that is the last one in forward order.
+            first = next((i for i, slot in enumerate(todo) if landed(slot)), len(todo) - 1)
+        end, numel = first + 1, todo[first].master.numel()
+        while end < len(todo) and numel < plan.batch_numel:
+            numel += todo[end].master.numel()
+            end += 1
+        return first, end
+
+    # ------------------------------------------------------------------ updating
+    def _update_batch(self, plan: StepPlan, slots: list[HostSlot]) -> None:
+        """Worker job: update ``slots`` and send their weights to the device."""
+        try:
+            self._update_and_push(plan, slots)
+        finally:  # even on failure: a forward waiting for these must not hang (it raises)
+            for slot in slots:
+                plan.ready.setdefault(id(slot.param), threading.Event()).set()
+
+    def _update_and_push(self, plan: StepPlan, slots: list[HostSlot]) -> None:
+        trace = self.worker.trace
+        start_job = time.perf_counter() if trace is not None else 0.0
+        finite = []
+        for slot in slots:
+            start = time.perf_counter()
+            self.grads.settle(slot)
+            self.worker.waited_s += time.perf_counter() - start
+            # Updates that overlap backward cannot wait for a verdict on all gradients:
+            # each checks its own before touching the master weight or the state.
+            if plan.check_each and not self.grads.landed_finite(slot):
+                plan.nonfinite.append(slot)
+            else:
+                finite.append(slot)
+        if not finite:
+            return
+        grad_scale = plan.grad_scale
+        if plan.clip_coef is not None:  # clip_grad_norm_ left the multiply to us
+            if grad_scale is None:  # the update multiplies as mul_ would: no extra pass
+                grad_scale = float(plan.clip_coef)
+            else:
+                for slot in finite:
+                    slot.grad.mul_(plan.clip_coef)
+        settled = time.perf_counter() if trace is not None else 0.0
+        host_update.update_slots(self._host_optimizer(), plan.groups, finite, grad_scale)
+        updated = time.perf_counter() if trace is not None else 0.0
+        self.last_push = self.transfers.to_device(
+            # The parameters themselves: detaching each would cost the GIL a round trip.
+            [(slot.weight_source(), local_part(slot.param)) for slot in finite],
+            after=plan.pushes_after,
+        )
+        for slot in finite:
+            plan.pushed[id(slot.param)] = self.last_push
+        if trace is not None:  # (benchmarks) where the host's time goes, per job
+            trace.append((start_job, settled, updated, time.perf_counter(),
+                          sum(slot.master.numel() for slot in finite), finite[0].order))
