@@ -1,29 +1,58 @@
-"""Every command in README.md is run here, or, where it needs a download or a GPU, checked.
+"""Every command in README.md and docs/*.md is run here, or, where it needs a download or a GPU, checked.
 
-Commands that only need this repository (the demo configs) run verbatim; commands for the
-real-model configs are checked for the files and torchtune names they use.
+Commands that only need this repository (the demo configs, bench/report.py, trace_report.py
+on a committed result) run verbatim; commands for the real-model configs are checked for the
+files and torchtune names they use; benchmark commands for the scripts, flags, stages and
+optimizer names they use. Links between the pages must reach a file and a section.
 """
 
+import functools
+import importlib.util
 import os
 import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
+# The pages whose commands are checked: the README, then every page under docs/
+# (docs/performance.md holds the benchmark commands; the others may have none).
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SETUP = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 "
 
 
-def _blocks(lang):
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+def _blocks(lang, text=README):
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
 
 
-def _commands():
-    return [line for block in _blocks("bash") for line in block.splitlines() if line.strip()]
+def _commands(text=README):
+    return [line for block in _blocks("bash", text) for line in block.splitlines() if line.strip()]
+
+
+def _page_commands():
+    """(page, command) for every line of every ```bash block of every page but the
+    README's quick start (its two commands have tests of their own)."""
+    found = []
+    for page in PAGES:
+        commands = _commands(page.read_text())
+        found += [(page.relative_to(REPO).as_posix(), c) for c in commands[2 if page.name == "README.md" and page.parent == REPO else 0:]]
+    return found
+
+
+def _inline_commands():
+    """Commands quoted inline in the pages' prose (`python bench/...`, `bash ...`)."""
+    found = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for span in re.findall(r"`([^`\n]+)`", text):
+            if re.match(r"(python3? bench/|bash )\S", span):
+                found.append((page.relative_to(REPO).as_posix(), span))
+    return found
 
 
 def _without_setup(command):
@@ -70,6 +99,104 @@ def _local_commands():
     return [c for c in _commands()[2:] if "configs/demo/" in c]
 
 
+def _runs_here(command):
+    """Commands that need only this repository and a CPU, and finish in seconds."""
+    words = shlex.split(command)
+    return words[:2] in (["python", "bench/report.py"], ["python3", "bench/report.py"],
+                         ["python", "bench/trace_report.py"], ["python3", "bench/trace_report.py"])
+
+
+def _without_launchers(words):
+    """The command after leading VAR=value assignments and `taskset -c CPUS`."""
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
+        words = words[1:]
+    if words[:2] == ["taskset", "-c"]:
+        words = words[3:]
+    return words
+
+
+@functools.cache
+def _help_text(script):
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, f"{script} --help\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _bench_module(script):
+    spec = importlib.util.spec_from_file_location(f"_readme_{Path(script).stem}", REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_bench_script(script, args):
+    """`python bench/X.py ARGS`: the script exists, its argparse accepts every flag, and
+    the benchmark drivers' parse_args accepts the whole command line (as on a GPU machine)
+    with optimizer names it knows."""
+    assert (REPO / script).is_file(), script
+    help_text = _help_text(script)
+    for arg in args:
+        if arg.startswith("--"):
+            flag = arg.split("=", 1)[0]
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text), f"{script} has no {flag}"
+        elif "/" in arg:  # a positional path (trace_report.py RESULT.json)
+            assert (REPO / arg).exists(), arg
+    if "\ndef parse_args(" in (REPO / script).read_text():
+        module = _bench_module(script)
+        with mock.patch("torch.cuda.is_available", return_value=True), \
+                mock.patch("torch.cuda.device_count", return_value=8), \
+                mock.patch("torch.set_num_threads"):
+            try:
+                parsed = module.parse_args(list(args))
+            except SystemExit as exit_:  # argparse's error (printed above)
+                raise AssertionError(f"{script} refuses {args}") from exit_
+        if getattr(parsed, "optimizers", None):
+            unknown = set(parsed.optimizers.split(",")) - set(module.OPTIMIZERS)
+            assert not unknown, f"{script}: unknown optimizers {sorted(unknown)}"
+
+
+def _run_h200_stages():
+    text = (REPO / "bench" / "run_h200.sh").read_text()
+    return set(re.findall(r"^ {4}([a-z0-9]+)\)", text, flags=re.M))
+
+
+def _check_tune_run(words, command):
+    """`tune run RECIPE --config CONFIG ...`: our recipe and config files exist, or
+    torchtune's names with our optimizer swapped in."""
+    configs, recipes = _torchtune_config_names()
+    if words[2:3] == ["--nproc_per_node"]:  # torchrun's launcher option, then the recipe
+        words = words[:2] + words[4:]
+    assert words[:2] == ["tune", "run"], command
+    recipe, config = words[2], words[words.index("--config") + 1]
+    if recipe.startswith("offload_plugin/recipes/"):
+        assert (REPO / "recipes" / Path(recipe).name).is_file(), recipe
+        assert (REPO / config).is_file(), config
+    else:
+        assert recipe in recipes and config in configs, command
+        override = words[words.index("--config") + 2]
+        assert override == "optimizer._component_=offload_plugin.CPUOffloadOptimizer"
+
+
+def _check_command(command):
+    """A command that needs a download or a GPU: what it names exists and is accepted."""
+    words = _without_launchers(shlex.split(command))
+    if words[:2] == ["tune", "run"]:
+        _check_tune_run(words, command)
+    elif words[:1] == ["bash"]:
+        script = words[1]
+        assert (REPO / script).is_file(), script
+        if script == "bench/run_h200.sh":
+            stages = words[2:]
+            assert stages and set(stages) <= _run_h200_stages(), f"{command}: stages {stages}"
+        else:
+            assert words[2:] == [], command
+    elif words[:1] in (["python"], ["python3"]) and words[1].startswith("bench/"):
+        _check_bench_script(words[1], words[2:])
+    else:
+        raise AssertionError(f"no check for this kind of command: {command}")
+
+
 @pytest.mark.parametrize("command", _local_commands())
 def test_demo_commands_run(command, tmp_path):
     """Each demo-config command runs verbatim; a copied recipe from an empty directory."""
@@ -88,22 +215,68 @@ def _torchtune_config_names():
     return {c.name for r in get_all_recipes() for c in r.configs}, {r.name for r in get_all_recipes()}
 
 
-@pytest.mark.parametrize("command", [c for c in _commands()[2:] if "configs/demo/" not in c])
+@pytest.mark.parametrize("command", [c for c in _commands()[2:] if "configs/demo/" not in c and not _runs_here(c)])
 def test_other_commands_name_real_files(command):
-    """Commands for real models name recipes and configs that exist (here or in torchtune)."""
-    configs, recipes = _torchtune_config_names()
-    words = shlex.split(command)
-    if words[2:3] == ["--nproc_per_node"]:  # torchrun's launcher option, then the recipe
-        words = words[:2] + words[4:]
-    assert words[:2] == ["tune", "run"], command
-    recipe, config = words[2], words[words.index("--config") + 1]
-    if recipe.startswith("offload_plugin/recipes/"):
-        assert (REPO / "recipes" / Path(recipe).name).is_file(), recipe
-        assert (REPO / config).is_file(), config
+    """Commands for real models name recipes and configs that exist (here or in torchtune);
+    benchmark and GPU-check commands name scripts, flags and stages that exist."""
+    _check_command(command)
+
+
+def test_results_page_has_its_commands():
+    """docs/performance.md gives the commands behind its tables (checked below)."""
+    commands = [c for page, c in _page_commands() if page == "docs/performance.md"]
+    assert any("bench/bench_train.py" in c for c in commands)
+    assert any("bench/run_h200.sh" in c for c in commands)
+
+
+@pytest.mark.parametrize("page,command", [pc for pc in _page_commands() if pc[0] != "README.md"])
+def test_docs_commands(page, command, tmp_path):
+    """Commands in docs/*.md: demo configs and report scripts run verbatim, the others
+    (GPU benchmarks) are checked for their scripts, flags, stages and optimizers."""
+    if "configs/demo/" in command:
+        _run(f"python -m offload_plugin.demo prepare && {command}", REPO, tmp_path)
+    elif _runs_here(command):
+        _run(command, REPO, tmp_path)
     else:
-        assert recipe in recipes and config in configs, command
-        override = words[words.index("--config") + 2]
-        assert override == "optimizer._component_=offload_plugin.CPUOffloadOptimizer"
+        _check_command(command)
+
+
+@pytest.mark.parametrize("command", [c for c in _commands()[2:] if _runs_here(c)])
+def test_readme_report_commands_run(command, tmp_path):
+    """README commands that need only this repository (bench/report.py) run verbatim."""
+    _run(command, REPO, tmp_path)
+
+
+@pytest.mark.parametrize("page,command", _inline_commands())
+def test_inline_commands(page, command):
+    """Commands quoted inline in the pages' text are checked like those in code blocks."""
+    _check_command(command)
+
+
+def _slug(heading):
+    """GitHub's anchor for a heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _anchors(path):
+    text = path.read_text()
+    return set(re.findall(r'<a id="([^"]+)"', text)) | {
+        _slug(h) for h in re.findall(r"^#+ (.*)$", re.sub(r"```.*?```", "", text, flags=re.S), flags=re.M)
+    }
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_links_reach_files_and_sections(page):
+    """Every relative link in a page reaches a file, and its #section an anchor there."""
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        assert dest.exists(), f"{page.name}: {target}"
+        if anchor:
+            assert anchor in _anchors(dest), f"{page.name}: {target} has no such section"
 
 
 def test_python_example_runs():
