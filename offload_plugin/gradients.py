@@ -20,7 +20,7 @@ import torch
 from offload_plugin import native_adam
 from offload_plugin.distributed import local_part
 from offload_plugin import grad_checks
-from offload_plugin.host_buffers import HostArena, HostSlot, allocate_landing
+from offload_plugin.host_buffers import ArenaAccount, HostSlot, allocate_landing
 from offload_plugin.host_worker import HostWorker
 from offload_plugin.slots import SlotTable
 from offload_plugin.transfer import Transfers, min_max_into
@@ -40,7 +40,7 @@ class GradientPath:
     """Moves and accumulates one optimizer's gradients in host memory."""
 
     def __init__(self, table: SlotTable, transfers: Transfers, worker: HostWorker,
-                 arena: HostArena, pin: bool, delayed_update: bool) -> None:
+                 arena: ArenaAccount, pin: bool, delayed_update: bool) -> None:
         self.table, self.transfers, self.worker, self.arena = table, transfers, worker, arena
         self._pin, self._delayed_update = pin, delayed_update
 
@@ -139,10 +139,14 @@ class GradientPath:
                 slot.grad_event = self.transfers.to_host([(local_part(slot.param.grad), slot.grad)])
                 slot.has_grad = True
 
-    def reset(self, set_to_none: bool = True) -> None:
+    def reset(self, set_to_none: bool = True, keep: frozenset = frozenset()) -> None:
         """Offloaded gradients as torch's zero_grad leaves ``.grad``: gone, or zeros that
-        the next backward adds to and the next step applies (step count, weight decay)."""
+        the next backward adds to and the next step applies (step count, weight decay).
+        Slots whose master is in ``keep`` have an update queued that still reads them."""
         for slot in self.table:
+            if slot.master in keep:
+                slot.has_grad = False
+                continue
             # Let in-flight copies land before their buffers count as free again. The lock:
             # with delayed_update the worker may be adding an accumulated gradient.
             with slot.settle_lock:

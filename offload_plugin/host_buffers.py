@@ -22,7 +22,7 @@ import torch
 
 from offload_plugin.distributed import DTensor, local_part
 
-__all__ = ["HostSlot", "HostArena", "allocate_landing", "allocate_moments", "build_slots",
+__all__ = ["HostSlot", "HostArena", "ArenaAccount", "allocate_landing", "allocate_moments", "build_slots",
            "master_dtype_for"]
 
 log = logging.getLogger(__name__)
@@ -75,45 +75,85 @@ def _pin(block: torch.Tensor) -> bool:
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
     if int(err) != 0:
         return False
-    # Unregister when the block is collected (it lives as long as its arena). Should views
+    # Unregister when the block is collected (it lives as long as its views). Should views
     # outlive it, they stay valid as pageable memory: copies get slower, never wrong.
     weakref.finalize(block, cudart.cudaHostUnregister, ptr)
     return True
 
 
 class HostArena:
-    """Flat host blocks, one per dtype, from which per-parameter views are taken.
+    """Flat host blocks from which per-parameter views are taken, shared by the optimizers
+    of a process (see process.py).
+
+    A request of at least ``CHUNK_BYTES`` gets a block of its own. Smaller ones are carved
+    from a shared chunk per dtype and pinning: torchtune's ``optimizer_in_bwd`` builds one
+    optimizer per parameter, and a pinned block per small tensor would cost a page-locking
+    call each. Each optimizer counts what it asked for through its own
+    :meth:`account`. Memory lives as long as any view of its block (a dropped optimizer's
+    carve of a chunk is returned with the chunk).
 
     Args:
-        pin (bool): page-lock the blocks so that copies to and from the GPU run
-            asynchronously at full bandwidth. Falls back to pageable memory with a
-            warning if pinning fails.
+        pin (bool): page-lock the blocks that GPU copies touch, so that they run
+            asynchronously at full bandwidth. Falls back to pageable memory with a warning
+            if pinning fails.
     """
+
+    CHUNK_BYTES = 64 << 20
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
-        self.blocks: list[torch.Tensor] = []
+        self._chunks: dict[tuple, list] = {}  # (dtype, pinned) -> [chunk, elements used]
+        self._lock = threading.Lock()
+
+    def account(self) -> "ArenaAccount":
+        return ArenaAccount(self)
 
     def allocate(
         self, numels: list[int], dtype: torch.dtype, for_transfers: bool = True
     ) -> list[torch.Tensor]:
-        """One flat block holding ``len(numels)`` buffers; returns a 1-D view per buffer.
+        """``len(numels)`` consecutive buffers; returns a 1-D view per buffer. Pinned if the
+        arena pins and ``for_transfers`` (the GPU copies from or into them)."""
+        pinned = self.pin and for_transfers
+        total = sum(numels)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if total * itemsize >= self.CHUNK_BYTES:
+            return list(self._block(total, dtype, pinned).split(numels))
+        align = max(1, 64 // itemsize)  # each request starts on a cache line
+        with self._lock:
+            chunk, used = self._chunks.get((dtype, pinned), (None, 0))
+            start = -(-used // align) * align
+            if chunk is None or start + total > chunk.numel():
+                chunk, start = self._block(self.CHUNK_BYTES // itemsize, dtype, pinned), 0
+            self._chunks[(dtype, pinned)] = [chunk, start + total]
+        return list(chunk[start:start + total].split(numels))
 
-        The block is pinned if the arena pins and ``for_transfers`` (the GPU copies from
-        or into it).
-        """
-        block = _huge_page_block(sum(numels), dtype)
-        if self.pin and for_transfers and block.numel() > 0 and not _pin(block):
+    @staticmethod
+    def _block(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        block = _huge_page_block(numel, dtype)
+        if pinned and block.numel() > 0 and not _pin(block):
             log.warning(
                 "Could not pin %.2f GiB of host memory; using pageable memory (slower "
                 "transfers). Check `ulimit -l` and free RAM.",
                 block.numel() * block.element_size() / 2**30,
             )
-        self.blocks.append(block)
-        return list(block.split(numels))
+        return block
+
+
+class ArenaAccount:
+    """One optimizer's allocations from a shared :class:`HostArena`, and their bytes."""
+
+    def __init__(self, arena: HostArena) -> None:
+        self._arena = arena
+        self.pin = arena.pin
+        self._bytes = 0
+
+    def allocate(self, numels: list[int], dtype: torch.dtype, for_transfers: bool = True) -> list[torch.Tensor]:
+        views = self._arena.allocate(numels, dtype, for_transfers)
+        self._bytes += sum(v.numel() * v.element_size() for v in views)
+        return views
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.blocks)
+        return self._bytes
 
 
 @dataclass
@@ -188,7 +228,7 @@ def weight_mark(param: torch.Tensor) -> tuple[int, int, int]:
 
 
 def build_slots(
-    params: list[torch.Tensor], master_weights: bool, arena: HostArena, spare_grads: bool = False
+    params: list[torch.Tensor], master_weights: bool, arena: "ArenaAccount", spare_grads: bool = False
 ) -> list[HostSlot]:
     """Allocate host buffers for ``params`` and copy their current values into the masters.
 
@@ -242,7 +282,7 @@ def build_slots(
     return slots
 
 
-def allocate_landing(slots: list[HostSlot], arena: HostArena) -> None:
+def allocate_landing(slots: list[HostSlot], arena: "ArenaAccount") -> None:
     """Give each slot an ``incoming`` buffer (its gradient's dtype and shape) from one block
     per dtype: accumulated gradients land there while ``grad`` holds the running sum."""
     by_dtype: dict[torch.dtype, list[HostSlot]] = {}

@@ -32,11 +32,11 @@ from offload_plugin.checkpoint_compat import TORCHAO_MINIMAL_SIZE
 from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.gradients import GradientPath, check_dense
-from offload_plugin.host_buffers import HostArena, HostSlot, allocate_moments, build_slots
+from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots
 from offload_plugin.host_update import uses_fused_adam
 from offload_plugin.options import Options, check_trainable
 from offload_plugin.scaling import Scaling
-from offload_plugin.schedules import delayed, early_forward
+from offload_plugin.schedules import delayed, early_forward, in_backward
 from offload_plugin.slots import SlotTable
 from offload_plugin.updates import StepPlan, Updates
 from offload_plugin.weight_sync import adopt_weight, changed_slots
@@ -253,6 +253,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._running: Optional[StepPlan] = None
         self._returned_early: Optional[StepPlan] = None
         self._pending = delayed.Pending()
+        self._in_backward: list[StepPlan] = []  # queued by step()s inside this backward
         self._ungated: dict[int, torch.Tensor] = {}
         self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0,
                         "on_device": 0, "on_device_numel": 0}
@@ -381,7 +382,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._shared = process.resources(device, self.host_threads)
         self._transfers, self._worker = self._shared.transfers, self._shared.worker
         self.host_threads = self._worker.num_threads
-        self._arena = HostArena(pin=self.pin_memory and self._transfers.is_async)
+        self._arena = self._shared.arena(self.pin_memory).account()  # this optimizer's share
         self._grads = GradientPath(self._slots, self._transfers, self._worker, self._arena,
                                    self.pin_memory, self.delayed_update)
         self._updates = Updates(lambda: self._host_optimizer, self._grads, self._transfers,
@@ -543,7 +544,7 @@ class CPUOffloadOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
-        if not self.delayed_update and self._returned_early is None:
+        if not self.delayed_update and self._returned_early is None and not self._in_backward:
             self._updates.flush(self._running)
             if self._scaling.clip_norms is not None:
                 self._scaling.clip_norms.batch.flush()
@@ -557,7 +558,9 @@ class CPUOffloadOptimizer(Optimizer):
             # next gradient lands (the next forward waits for every update first).
             self._returned_early.zero_grad = set_to_none
         else:
-            self._grads.reset(set_to_none)
+            # (Slots whose update this backward queued keep their copy's event: the update
+            # waits for it. Waiting here would stall the backward on the GPU.)
+            self._grads.reset(set_to_none, keep=in_backward.in_flight(self))
         self._scaling.scaled_since_zero_grad = False
 
     # ------------------------------------------------------------------ step
@@ -644,6 +647,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._finish_pending()
 
     def _finish_pending(self) -> None:
+        in_backward.finish(self)
         early_forward.finish(self)
         delayed.finish(self)
 

@@ -1,13 +1,13 @@
-"""What every CPUOffloadOptimizer in a process shares: the host worker and the transfer
-streams.
+"""What every CPUOffloadOptimizer in a process shares: the host worker, the host arena and
+the transfer streams.
 
 They belong to the process, not to one optimizer: torchtune's ``optimizer_in_bwd`` builds
 one optimizer per parameter, and each with a thread of its own (every one with an OpenMP
 team over all host cores), its own streams and its own pinned blocks would compete for the
 same cores and bandwidth. So optimizers whose parameters are on the same device and that
 ask for the same host thread count share one :class:`Resources`. It lives as long as an
-optimizer holds it: the last one dropped frees its thread (see host_worker). Host buffers
-stay each optimizer's own (its ``HostArena``), freed with it.
+optimizer holds it: the last one dropped frees its thread (see host_worker). Each
+optimizer counts its own host buffers (``HostArena.account``).
 
 A shared worker runs every instance's jobs in one queue, in submission order; ``drain()``
 waits for all of them, and an error raised by any job is raised by the next ``drain()``.
@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from offload_plugin.host_buffers import HostArena
 from offload_plugin.host_worker import HostWorker
 from offload_plugin.transfer import Transfers
 
@@ -30,10 +31,16 @@ __all__ = ["Resources", "resources"]
 
 @dataclasses.dataclass(eq=False)
 class Resources:
-    """One device's transfer streams and a host worker."""
+    """One device's transfer streams, a host worker, and host arenas (pinned or not)."""
 
     transfers: Transfers
     worker: HostWorker
+    arenas: dict = dataclasses.field(default_factory=dict)  # pin -> HostArena
+
+    def arena(self, pin: bool) -> HostArena:
+        pin = pin and self.transfers.is_async
+        with _lock:
+            return self.arenas.setdefault(pin, HostArena(pin=pin))
 
 
 _shared: "weakref.WeakValueDictionary[tuple, Resources]" = weakref.WeakValueDictionary()

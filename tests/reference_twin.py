@@ -78,6 +78,15 @@ def train(model, opt, steps, *, start=0, accum=2, clip=None, sched=None, via_opt
     return losses, norms
 
 
+def reference(cls, params, **kwargs):
+    """torch's ``cls`` as the reference for CPUOffloadOptimizer(optimizer_cls=cls, **kwargs):
+    Adam and AdamW without a choice of implementation run torch's fused kernel there
+    (README, Options), so the reference does too."""
+    if issubclass(cls, torch.optim.Adam) and not {"fused", "foreach", "capturable", "differentiable"} & kwargs.keys():
+        kwargs = dict(kwargs, fused=True)
+    return cls(params, **kwargs)
+
+
 def twins(device="cpu", dtype=torch.float32):
     """A model and a deep copy of it."""
     model = make_model(device, dtype)

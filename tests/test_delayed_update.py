@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from reference_twin import DEVICES, assert_same_params, batch, make_model, offload, trainable
+from reference_twin import DEVICES, assert_same_params, batch, make_model, offload, reference, trainable
 
 
 class StaleByOne:
@@ -20,7 +20,7 @@ class StaleByOne:
 
     def __init__(self, model, **kwargs):
         self.params = trainable(model)
-        self.opt = torch.optim.AdamW(self.params, **kwargs)
+        self.opt = reference(torch.optim.AdamW, self.params, **kwargs)
         self.pending = None
 
     def step(self):

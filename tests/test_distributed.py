@@ -247,7 +247,7 @@ def test_qlora_two_ranks_offloaded_like_adamw(workdir, tmp_path, device):
 
     ours, adamw = tmp_path / "qlora_ours", tmp_path / "qlora_adamw"
     _run(command(ours, NPROC), workdir[1])
-    _run(command(adamw, NPROC, "optimizer._component_=torch.optim.AdamW"), workdir[1])
+    _run(command(adamw, NPROC, "optimizer._component_=torch.optim.AdamW", "optimizer.fused=True"), workdir[1])
     logged, expected = read_log(ours), read_log(adamw)
     assert sorted(logged) == sorted(expected) == list(range(1, STEPS + 1))
     for key in ("loss", "grad_norm"):

@@ -13,15 +13,18 @@ from torch import nn
 
 from offload_plugin import CPUOffloadOptimizer, host_worker
 from reference_twin import (
-    DEVICES, assert_same_params, batch, make_model, offload, train, trainable, twins,
+    DEVICES, assert_same_params, batch, make_model, offload, reference, train, trainable, twins,
 )
 
 OPTIMIZERS = {
+    # Adam(W) without a choice runs fused, the fast path (offload_plugin.host_update); the
+    # reference then is torch's fused kernel (reference_twin.reference).
     "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "Adam": (torch.optim.Adam, {"lr": 1e-2, "betas": (0.8, 0.99)}),
     "SGD-momentum": (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "nesterov": True}),
-    # fused=True takes the chunked fast path (offload_plugin.host_update).
-    "AdamW-fused": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
+    # fused=False keeps torch's per-tensor loop, through the host optimizer's own step().
+    "AdamW-loop": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": False}),
+    "Adam-foreach": (torch.optim.Adam, {"lr": 1e-2, "foreach": True}),
     "Adam-fused-amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True, "fused": True}),
 }
 
@@ -37,7 +40,7 @@ def test_matches_reference_optimizer(device, name, offload_gradients, via_optimi
     """Frozen layer, accumulation, scaling, clipping and a scheduler: same weights as optimizer_cls."""
     cls, kwargs = OPTIMIZERS[name]
     ref_model, model = twins(device)
-    ref = cls(trainable(ref_model), **kwargs)
+    ref = reference(cls, trainable(ref_model), **kwargs)
     opt = offload(model, optimizer_cls=cls, offload_gradients=offload_gradients, **kwargs)
     decay = lambda step: 0.8**step  # noqa: E731
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref, decay)
@@ -63,8 +66,8 @@ def test_bf16_master_weights_beat_plain_bf16(device, offload_gradients):
     fp32 = make_model(device)
     bf16_plain = copy.deepcopy(fp32).to(torch.bfloat16)
     bf16_master = copy.deepcopy(fp32).to(torch.bfloat16)
-    train(fp32, torch.optim.AdamW(trainable(fp32), **kwargs), 30)
-    train(bf16_plain, torch.optim.AdamW(trainable(bf16_plain), **kwargs), 30)
+    train(fp32, reference(torch.optim.AdamW, trainable(fp32), **kwargs), 30)
+    train(bf16_plain, reference(torch.optim.AdamW, trainable(bf16_plain), **kwargs), 30)
     opt = offload(bf16_master, offload_gradients=offload_gradients, **kwargs)
     train(bf16_master, opt, 30, via_optimizer=True)
 
@@ -81,7 +84,7 @@ def test_bf16_master_weights_beat_plain_bf16(device, offload_gradients):
 def test_master_weights_off_matches_plain_bf16():
     """master_weights=False updates bf16 copies: bit-identical to AdamW on bf16 parameters."""
     ref_model, model = twins(dtype=torch.bfloat16)
-    train(ref_model, torch.optim.AdamW(trainable(ref_model), lr=1e-3), 5)
+    train(ref_model, reference(torch.optim.AdamW, trainable(ref_model), lr=1e-3), 5)
     train(model, offload(model, master_weights=False, lr=1e-3), 5)
     assert_same_params(ref_model, model, exact=True)
 
@@ -147,7 +150,7 @@ def test_accepts_params_as_torchtune_passes_them(form, caplog):
     assert sum(len(g["params"]) for g in opt.param_groups) == 4
     assert "optimizing 4 tensors (1,188 elements)" in caplog.text
     assert "skipped 2 frozen tensors (544 elements)" in caplog.text
-    train(ref_model, torch.optim.AdamW(trainable(ref_model), lr=1e-2), 3)
+    train(ref_model, reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2), 3)
     train(model, opt, 3)
     assert_same_params(ref_model, model, exact=True)
 
@@ -292,7 +295,7 @@ def test_fused_path_is_bitwise_torch_fused_adamw_across_chunks(dtype, monkeypatc
     model = nn.Sequential(nn.Linear(64, 100), nn.Linear(100, 3)).to(dtype)
     ref_model = copy.deepcopy(model).float()  # fp32 reference = what the master weights see
     kwargs = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
-    ref = torch.optim.AdamW(ref_model.parameters(), **kwargs)
+    ref = reference(torch.optim.AdamW, ref_model.parameters(), **kwargs)
     opt = CPUOffloadOptimizer(model.parameters(), **kwargs)
     for step in range(3):
         x = torch.randn(5, 64, generator=torch.Generator().manual_seed(step))
@@ -307,14 +310,14 @@ def test_fused_path_is_bitwise_torch_fused_adamw_across_chunks(dtype, monkeypatc
         torch.testing.assert_close(p, rp.detach().to(dtype), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["AdamW", "AdamW-fused", "SGD-momentum"])
+@pytest.mark.parametrize("name", ["AdamW", "AdamW-loop", "SGD-momentum"])
 def test_overlap_next_step_matches_scale_then_step(name, monkeypatch):
     """Updates started during the last backward (overlap_next_step) equal scale-then-step."""
     # Every parameter its own job, as large ones are: small ones otherwise wait for a batch.
     monkeypatch.setattr(host_worker, "BATCH_NUMEL", 0)
     cls, kwargs = OPTIMIZERS[name]
     ref_model, model = twins()
-    ref = cls(trainable(ref_model), **kwargs)
+    ref = reference(cls, trainable(ref_model), **kwargs)
     opt = offload(model, optimizer_cls=cls, offload_gradients=True, **kwargs)
     train(ref_model, ref, 4, accum=3)
     for step in range(4):
@@ -472,7 +475,7 @@ def test_small_parameters_reach_the_worker_in_batches(overlap, monkeypatch):
     params = [nn.Parameter(torch.randn(n)) for n in sizes]
     ref_params = [nn.Parameter(p.detach().clone()) for p in params]
     opt = CPUOffloadOptimizer(params, lr=1e-2, offload_gradients=True)
-    ref = torch.optim.AdamW(ref_params, lr=1e-2)
+    ref = reference(torch.optim.AdamW, ref_params, lr=1e-2)
     jobs = []
     submit = opt._worker.submit
     monkeypatch.setattr(opt._worker, "submit", lambda job, urgent=False: (jobs.append(job), submit(job, urgent)))
@@ -501,7 +504,7 @@ def test_accumulate_on_device_keeps_grads_until_the_last_backward(announced, cli
     result is torch's AdamW's, bit for bit, with and without clipping."""
     kwargs = {"lr": 1e-2, "weight_decay": 0.1}
     ref_model, model = twins()
-    ref = torch.optim.AdamW(trainable(ref_model), **kwargs)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), **kwargs)
     opt = offload(model, offload_gradients=True, accumulate_on_device=True, **kwargs)
     train(ref_model, ref, 3, accum=3, clip=clip)
     for step in range(3):
@@ -558,7 +561,7 @@ def test_announced_clipping_norm_is_torchs_clip_grad_norm_on_the_device(device):
     from torchtune.training import scale_grads
 
     ref_model, model = twins(device)
-    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
     opt = offload(model, lr=1e-2, offload_gradients=True)
     for step in range(3):
         for micro in range(2):
@@ -693,7 +696,7 @@ def test_zero_grad_keeping_zeros_applies_them_as_torch_does(offload_gradients, o
     if overlap and not offload_gradients:
         pytest.skip("overlap_next_step needs offload_gradients")
     ref_model, model = twins()
-    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2, weight_decay=0.5, fused=True)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2, weight_decay=0.5, fused=True)
     opt = offload(model, lr=1e-2, weight_decay=0.5, fused=True, offload_gradients=offload_gradients)
     for m, o in ((ref_model, ref), (model, opt)):
         x, y = batch(0, 0, "cpu")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from offload_plugin import CPUOffloadOptimizer
-from reference_twin import DEVICES, assert_same_params, batch, make_model, offload, train, trainable, twins
+from reference_twin import DEVICES, assert_same_params, batch, make_model, offload, reference, train, trainable, twins
 
 KW = {"lr": 1e-2, "weight_decay": 0.1}
 FRACTION = 0.9  # the model's first weight and bias (1,056 of 1,188 trainable elements)
@@ -47,7 +47,7 @@ def test_keeps_the_leading_parameters_up_to_the_fraction(caplog):
 def test_matches_adamw_bitwise(device, offload_gradients, clip):
     """Bit for bit on CPU; on CUDA the host share runs CPU kernels, so within tolerance."""
     ref_model, model = twins(device)
-    ref = torch.optim.AdamW(trainable(ref_model), **KW)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), **KW)
     opt = offload(model, device_fraction=FRACTION, offload_gradients=offload_gradients, **KW)
     assert _kept(opt) and all(p.device.type == device for p in _kept(opt))
     ref_out = train(ref_model, ref, 4, accum=3, clip=clip)
@@ -61,7 +61,7 @@ def test_matches_adamw_bitwise(device, offload_gradients, clip):
 
 def test_overlapped_step_matches_adamw_bitwise():
     ref_model, model = twins()
-    ref = torch.optim.AdamW(trainable(ref_model), **KW)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), **KW)
     opt = offload(model, device_fraction=FRACTION, offload_gradients=True, **KW)
     train(ref_model, ref, 3, accum=3)
     for step in range(3):
@@ -102,7 +102,7 @@ def test_bf16_with_masters_equals_full_offload(overlap):
 
 def test_state_dict_is_torchs_layout_and_resumes_exactly(tmp_path):
     ref_model, model = twins()
-    ref = torch.optim.AdamW(trainable(ref_model), **KW)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), **KW)
     opt = offload(model, device_fraction=FRACTION, **KW)
     train(ref_model, ref, 2)
     train(model, opt, 2)
@@ -118,7 +118,7 @@ def test_state_dict_is_torchs_layout_and_resumes_exactly(tmp_path):
     opt2 = offload(resumed, device_fraction=FRACTION, **KW)
     opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
     plain = copy.deepcopy(model)
-    adamw = torch.optim.AdamW(trainable(plain), **KW)
+    adamw = reference(torch.optim.AdamW, trainable(plain), **KW)
     adamw.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
     for m, o in ((model, opt), (resumed, opt2), (plain, adamw)):
         train(m, o, 2, start=2)

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from offload_plugin import CPUOffloadOptimizer
-from reference_twin import make_model, train, twins
+from reference_twin import make_model, reference, train, twins
 
 OPTIMIZERS = {
     "AdamW": torch.optim.AdamW,
@@ -83,7 +83,7 @@ def test_behaves_like_reference_or_raises_clearly(
     ours, our_error = _build(lambda: CPUOffloadOptimizer(
         _groups(model, layout), optimizer_cls=cls, offload_gradients=offload_gradients,
         master_weights=master_weights, **kwargs))
-    ref, ref_error = _build(lambda: cls(_trainable_only(_groups(ref_model, layout)), **kwargs))
+    ref, ref_error = _build(lambda: reference(cls, _trainable_only(_groups(ref_model, layout)), **kwargs))
 
     event("both refused" if our_error and ref_error else "we refused" if our_error
           else "torch refused" if ref_error else "both trained")

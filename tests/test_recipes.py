@@ -161,17 +161,45 @@ def test_early_forward_trains_and_saves_like_waiting_in_step(workdir, tmp_path, 
         assert torch.equal(weights[True][name], value), name
 
 
-def test_torchtune_stock_recipe_with_offload_optimizer(workdir, tmp_path):
-    """torchtune's own lora_finetune_single_device trains the demo QLoRA model with our optimizer named on the CLI."""
-    out = tmp_path / "stock"
-    _tune_run(
-        "lora_finetune_single_device", "qlora", workdir, out,
-        "optimizer._component_=offload_plugin.CPUOffloadOptimizer", "optimizer.offload_gradients=False",
-        "clip_grad_norm=null",
-    )  # fmt: skip
-    losses = _losses(out)
+@pytest.mark.parametrize("kind", ["qlora", "lora"])
+def test_torchtune_stock_lora_recipe_matches_torch_adamw(workdir, tmp_path, kind):
+    """torchtune's own lora_finetune_single_device, only the optimizer's _component_ changed
+    (its scale_grads and clip_grad_norm_ act on the device gradients): the same losses as
+    torch's fused AdamW in the same recipe, and the loss falls."""
+    runs = {
+        "ours": ["optimizer._component_=offload_plugin.CPUOffloadOptimizer",
+                 "optimizer.offload_gradients=False"],
+        "torch": ["optimizer._component_=torch.optim.AdamW", "optimizer.fused=True",
+                  "~optimizer.optimizer_cls", "~optimizer.offload_gradients", "~optimizer.delayed_update"],
+    }
+    for name, overrides in runs.items():
+        _tune_run("lora_finetune_single_device", kind, workdir, tmp_path / name, *overrides)
+    losses = _losses(tmp_path / "ours")
+    assert losses == _losses(tmp_path / "torch")
     assert len(losses) == STEPS
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, losses
+
+
+@pytest.mark.parametrize("in_bwd", [True, False], ids=["optimizer_in_bwd", "step-after-backward"])
+def test_torchtune_stock_full_recipe_matches_torch_adamw(workdir, tmp_path, in_bwd):
+    """torchtune's own full_finetune_single_device, only the optimizer's _component_ changed:
+    the same losses and weights as torch's AdamW in the same recipe. With optimizer_in_bwd
+    (the stock configs' setting) each parameter gets its own optimizer, stepped in its
+    gradient hook."""
+    common = ["clip_grad_norm=null", f"optimizer_in_bwd={in_bwd}", "optimizer.fused=True"]
+    runs = {
+        "ours": ["optimizer._component_=offload_plugin.CPUOffloadOptimizer"],
+        "torch": ["optimizer._component_=torch.optim.AdamW", "~optimizer.optimizer_cls",
+                  "~optimizer.offload_gradients", "~optimizer.delayed_update"],
+    }
+    for name, overrides in runs.items():
+        _tune_run("full_finetune_single_device", "full", workdir, tmp_path / name, *common, *overrides)
+    assert _losses(tmp_path / "ours") == _losses(tmp_path / "torch")
+    assert len(_losses(tmp_path / "ours")) == STEPS
+    weights = {name: torch.load(next((tmp_path / name).glob("epoch_0/*.bin")), weights_only=True)
+               for name in runs}
+    for key, value in weights["torch"].items():
+        assert torch.equal(weights["ours"][key], value), key
 
 
 def test_copied_recipe_runs_from_another_directory(workdir, tmp_path):

@@ -14,7 +14,7 @@ import offload_plugin.host_update as host_update
 import offload_plugin.optimizer as optimizer_module
 from offload_plugin import CPUOffloadOptimizer
 from offload_plugin.host_worker import HostUpdateError
-from reference_twin import assert_same_params, batch, make_model, offload, train, trainable, twins
+from reference_twin import assert_same_params, batch, make_model, offload, reference, train, trainable, twins
 
 
 def _snapshot(opt):
@@ -50,7 +50,7 @@ def _poison_next_backward(model, value=float("inf")):
 def test_nonfinite_step_is_skipped_and_training_continues(offload_gradients, clip, caplog):
     """An inf gradient skips the whole step with a warning; later steps match a run without it."""
     ref_model, model = twins()
-    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
     opt = offload(model, lr=1e-2, offload_gradients=offload_gradients)
     train(ref_model, ref, 2, clip=clip)
     train(model, opt, 2, clip=clip, via_optimizer=True)
@@ -204,8 +204,8 @@ def _torchao_state_dict(model, steps, minimal_size):
     params = trainable(model)
     big = [p for p in params if p.numel() >= minimal_size]
     small = [p for p in params if p.numel() < minimal_size]
-    optims = [torch.optim.AdamW([{"params": p}], lr=1e-2, fused=True) for p in big]
-    d_opt = torch.optim.AdamW([{"params": small}], lr=1e-2, fused=True)
+    optims = [reference(torch.optim.AdamW, [{"params": p}], lr=1e-2, fused=True) for p in big]
+    d_opt = reference(torch.optim.AdamW, [{"params": small}], lr=1e-2, fused=True)
 
     class Both:
         def step(self):
@@ -225,7 +225,7 @@ def test_torchao_checkpoint_is_converted_and_continues_exactly():
     ref_model, model = twins()
     sd = _torchao_state_dict(ref_model, 3, minimal_size=512)
     model.load_state_dict(ref_model.state_dict())
-    plain = torch.optim.AdamW(trainable(ref_model), lr=1e-2, fused=True)
+    plain = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2, fused=True)
     converted = offload_plugin.convert_torchao_state_dict(sd, model_params := trainable(model),
                                                              minimal_size=512)
     plain.load_state_dict(copy.deepcopy(converted))
@@ -310,7 +310,29 @@ def test_pinning_failure_falls_back_to_pageable_memory(monkeypatch, caplog):
     assert "Could not pin" in caplog.text
     a.fill_(1.0)
     b.fill_(2.0)
-    assert arena.blocks[0].tolist() == [1.0] * 3 + [2.0] * 5
+    assert a.tolist() == [1.0] * 3 and b.tolist() == [2.0] * 5
+    assert b.data_ptr() == a.data_ptr() + 3 * 4  # consecutive in one block
+
+
+def test_optimizers_share_the_arena_and_count_their_own_bytes(monkeypatch):
+    """Small buffers of several optimizers come out of one shared chunk (one page-locking
+    call, not one per tensor); each optimizer counts what it asked for; a large request
+    gets a block of its own."""
+    from offload_plugin import host_buffers
+
+    monkeypatch.setattr(host_buffers.HostArena, "CHUNK_BYTES", 1 << 16)
+    arena = host_buffers.HostArena(pin=False)
+    first, second = arena.account(), arena.account()
+    (a,) = first.allocate([100], torch.float32)
+    (b,) = second.allocate([10], torch.float32)
+    (big,) = second.allocate([1 << 15], torch.float32)
+    assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    assert big.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    assert b.data_ptr() % 64 == a.data_ptr() % 64  # each request starts on a cache line
+    assert (first.nbytes(), second.nbytes()) == (400, 40 + 4 * (1 << 15))
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert bool((a == 1).all()) and bool((b == 2).all())  # no overlap
 
 
 def test_host_worker_runs_urgent_jobs_before_queued_updates():
@@ -414,7 +436,7 @@ def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(d
 
     ref_model = make_model()
     model = copy.deepcopy(ref_model)
-    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
     ours = offload(model, lr=1e-2, offload_gradients=True, delayed_update=delayed)
     for slot in ours._slots:
         slot.settle_lock = RecordingLock(slot)
@@ -469,7 +491,7 @@ def test_optimizers_of_a_process_share_one_host_worker_and_stay_exact():
     """torchtune's optimizer_in_bwd builds one optimizer per parameter: all of them share
     one host worker thread and one pair of streams, and each still trains exactly."""
     ref_model, model = twins()
-    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2, fused=True)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2, fused=True)
     per_param = [CPUOffloadOptimizer([p], lr=1e-2, fused=True, offload_gradients=True)
                  for p in trainable(model)]
     assert len({id(o._worker) for o in per_param}) == 1

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.optim import lr_scheduler as S
 
-from reference_twin import DEVICES, assert_same_params, offload, train, trainable, twins
+from reference_twin import DEVICES, assert_same_params, offload, reference, train, trainable, twins
 
 
 def _cosine(opt):
@@ -62,7 +62,7 @@ def test_scheduler_drives_host_update(device, name):
     """Same lrs (torchtune's get_lr) and same weights as the plain optimizer under the scheduler."""
     cls, kwargs, make_sched = SCHEDULERS[name]
     ref_model, model = twins(device)
-    ref = cls(trainable(ref_model), **kwargs)
+    ref = reference(cls, trainable(ref_model), **kwargs)
     opt = offload(model, optimizer_cls=cls, **kwargs)
     ref_lrs = _run(ref_model, ref, make_sched(ref), 6)
     lrs = _run(model, opt, make_sched(opt), 6)

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from offload_plugin import CPUOffloadOptimizer
-from reference_twin import DEVICES, assert_same_params, make_model, offload, train, trainable, twins
+from reference_twin import DEVICES, assert_same_params, make_model, offload, reference, train, trainable, twins
 
 
 def test_layout_is_torch_standard():
     """{"state": {index: ...}, "param_groups": [...]} with indices in trainable-parameter order."""
     model = make_model()
     opt = offload(model, lr=1e-2)
-    ref = torch.optim.AdamW(trainable(model), lr=1e-2)
+    ref = reference(torch.optim.AdamW, trainable(model), lr=1e-2)
     train(model, opt, 1)
     sd, ref_sd = opt.state_dict(), ref.state_dict()
     assert sd.keys() == ref_sd.keys() == {"state", "param_groups"}
@@ -32,7 +32,7 @@ def test_layout_is_torch_standard():
 def test_interchangeable_with_plain_adamw(device):
     """A plain AdamW state dict loads into the offload optimizer and back, continuing identically."""
     ref_model, model = twins(device)
-    ref = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
     train(ref_model, ref, 3)
     model.load_state_dict(ref_model.state_dict())
 
@@ -43,7 +43,7 @@ def test_interchangeable_with_plain_adamw(device):
     train(model, opt, 2, start=3)
     assert_same_params(ref_model, model, exact=device == "cpu")
 
-    back = torch.optim.AdamW(trainable(ref_model), lr=1e-2)
+    back = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
     back.load_state_dict(copy.deepcopy(opt.state_dict()))  # as through torch.save/load
     train(ref_model, back, 2, start=5)
     train(model, opt, 2, start=5)
@@ -139,7 +139,7 @@ def test_checkpoint_without_master_weights_starts_from_device_weights():
     """A plain-AdamW checkpoint has no fp32 masters: they start from the loaded bf16 weights."""
     model = make_model(dtype=torch.bfloat16)
     opt = offload(model, lr=1e-3)
-    plain = torch.optim.AdamW(trainable(model), lr=1e-3)
+    plain = reference(torch.optim.AdamW, trainable(model), lr=1e-3)
     train(model, plain, 2)
     opt.load_state_dict(plain.state_dict())
     for p in trainable(model):

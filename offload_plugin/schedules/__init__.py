@@ -18,6 +18,9 @@ sharded (FSDP2) parameters     called                       ``after_backward``, 
                                                             scaled and normed on its way out
 (no other restriction)         called                       ``during_backward``: each update
                                                             starts when its gradient lands
+(no other restriction)         not called, step() from a    ``in_backward``: step() queues
+                               gradient hook (torchtune's   the update and returns; the
+                               ``optimizer_in_bwd``)        backward's end waits for it
 (no other restriction)         not called                   ``after_backward``
 =============================  ===========================  ================================
 
@@ -35,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from offload_plugin.schedules import after_backward, delayed, during_backward, early_forward
+from offload_plugin.schedules import after_backward, delayed, during_backward, early_forward, in_backward
 
 __all__ = ["Overlap", "choose_overlap", "run_step"]
 
@@ -86,6 +89,9 @@ def choose_overlap(opt, grad_scale: Optional[float], clipping: bool, early: bool
 
 def run_step(opt) -> None:
     """step(): the schedule overlap_next_step chose, or the one the options give."""
+    if in_backward.applies(opt):
+        in_backward.step(opt)
+        return
     if opt.delayed_update:
         delayed.step(opt)
         return

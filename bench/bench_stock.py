@@ -1,0 +1,162 @@
+"""torchtune's stock recipes and configs as users run them, with each optimizer they might pick.
+
+Every run is ``tune run <recipe> --config <torchtune's own config>`` on a random-init
+checkpoint (``bench/random_checkpoint.py``) and local alpaca data
+(``python -m offload_plugin.demo prepare``), with only the optimizer overridden, plus our
+recipe with our config as shipped. Each run is a fresh process; tokens/s is the mean of
+torchtune's ``tokens_per_second_per_gpu`` over the steps after ``--warmup``, peak GPU memory
+torchtune's ``peak_memory_alloc``, host memory the process's peak RSS.
+
+    # on the GPU machine, from the repository root (pip install -e . done)
+    python bench/bench_stock.py --job full --model 1b
+    python bench/bench_stock.py --job full --model 1b --runs ours_stock,torch_adamw --steps 4  # a subset
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODELS = {  # model -> (torchtune builder, stock full config, stock QLoRA config, our full config)
+    "1b": ("torchtune.models.llama3_2.llama3_2_1b", "llama3_2/1B_full_single_device",
+           "llama3_2/1B_qlora_single_device", "configs/llama3_2/1B_full_offload_single_device.yaml",
+           "configs/llama3_2/1B_qlora_offload_single_device.yaml"),
+    "8b": ("torchtune.models.llama3_1.llama3_1_8b", "llama3_1/8B_full_single_device",
+           "llama3_1/8B_qlora_single_device", "configs/llama3_1/8B_full_offload_single_device.yaml",
+           "configs/llama3_1/8B_qlora_offload_single_device.yaml"),
+}
+OURS = "optimizer._component_=offload_plugin.CPUOffloadOptimizer"
+# name -> (recipe: "stock" or "ours", overrides). Stock full configs ship PagedAdamW8bit with
+# optimizer_in_bwd: True; stock QLoRA configs torch's AdamW(fused=True).
+RUNS = {
+    "full": {
+        "stock_as_shipped": ("stock", []),
+        "torch_adamw": ("stock", ["optimizer._component_=torch.optim.AdamW", "optimizer.fused=True",
+                                  "optimizer_in_bwd=False"]),
+        "torchao": ("stock", ["optimizer._component_=torchao.optim.CPUOffloadOptimizer",
+                              "optimizer_in_bwd=False"]),
+        "ours_stock": ("stock", [OURS]),
+        "ours_stock_no_in_bwd": ("stock", [OURS, "optimizer_in_bwd=False"]),
+        "ours_stock_no_masters": ("stock", [OURS, "optimizer.master_weights=False"]),
+        "ours_recipe": ("ours", []),
+    },
+    "qlora": {
+        "stock_as_shipped": ("stock", []),
+        "torchao": ("stock", ["optimizer._component_=torchao.optim.CPUOffloadOptimizer",
+                              "~optimizer.fused"]),
+        "ours_stock": ("stock", [OURS]),
+        "ours_recipe": ("ours", []),
+    },
+}
+LAUNCH = (  # tune in this process, so that its peak RSS is the recipe's
+    "import resource, runpy, sys\n"
+    "try:\n"
+    "    runpy.run_module('torchtune._cli.tune', run_name='__main__')\n"
+    "finally:\n"
+    "    print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)\n"
+)
+
+
+def command(args, name: str) -> list[str]:
+    builder, stock_full, stock_qlora, ours_full, ours_qlora = MODELS[args.model]
+    recipe, overrides = RUNS[args.job][name]
+    if recipe == "stock":
+        target = ["full_finetune_single_device" if args.job == "full" else "lora_finetune_single_device",
+                  "--config", stock_full if args.job == "full" else stock_qlora]
+    else:
+        script = "full_finetune_single_device.py" if args.job == "full" else "lora_finetune_single_device.py"
+        target = [f"offload_plugin/recipes/{script}", "--config", ours_full if args.job == "full" else ours_qlora]
+    out = args.work / name
+    data = args.work / "demo" / "alpaca_tiny.json"
+    common = [
+        f"checkpointer.checkpoint_dir={args.checkpoint}",
+        f"tokenizer.path={args.checkpoint}/original/tokenizer.model",
+        f"tokenizer.max_seq_len={args.seq_len}", f"batch_size={args.batch_size}",
+        "dataset.source=json", f"dataset.data_files={data}", "dataset.split=train",
+        f"max_steps_per_epoch={args.steps}", "epochs=1",
+        f"output_dir={out}", "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
+        f"metric_logger.log_dir={out}/logs", "metric_logger.filename=log.txt",
+        "log_every_n_steps=1", "log_peak_memory_stats=True",
+    ]
+    return [sys.executable, "-c", LAUNCH, "run", *target, *common, *overrides]
+
+
+def parse(out: Path, stdout: str, warmup: int) -> dict:
+    steps = {}
+    for log in (out / "logs").glob("*.txt"):
+        for line in log.read_text().splitlines():
+            m = re.match(r"Step (\d+) \| (.*)", line)
+            if m:
+                steps[int(m.group(1))] = {k: float(v) for k, v in (kv.split(":") for kv in m.group(2).split())}
+    timed = [m for s, m in sorted(steps.items()) if s > warmup]
+    rss = re.findall(r"PEAK_RSS_KIB (\d+)", stdout)
+    return {
+        "steps": len(steps),
+        "tokens_per_s": sum(m["tokens_per_second_per_gpu"] for m in timed) / len(timed) if timed else None,
+        "peak_gpu_gib": max((m.get("peak_memory_alloc", 0) for m in steps.values()), default=None),
+        "host_peak_rss_gib": int(rss[-1]) / 2**20 if rss else None,
+        "losses": [m["loss"] for _, m in sorted(steps.items())],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--job", choices=sorted(RUNS), default="full")
+    p.add_argument("--model", choices=sorted(MODELS), default="1b")
+    p.add_argument("--runs", default=None, help="comma-separated subset of the job's runs")
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--work", type=Path, default=Path("/tmp/offload-plugin/stock"))
+    p.add_argument("--checkpoint", type=Path, default=None,
+                   help="random-init checkpoint dir (made with bench/random_checkpoint.py if absent)")
+    p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--out", type=Path, default=None,
+                   help="results JSON (default: bench/results/<date>-stock-<model>-<job>.json)")
+    args = p.parse_args()
+    args.out = args.out or REPO / "bench" / "results" / f"{datetime.date.today()}-stock-{args.model}-{args.job}.json"
+    names = args.runs.split(",") if args.runs else list(RUNS[args.job])
+    args.checkpoint = args.checkpoint or args.work / f"random-{args.model}"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if not (args.work / "demo" / "alpaca_tiny.json").exists():
+        subprocess.run([sys.executable, "-m", "offload_plugin.demo", "prepare",
+                        "--output-dir", str(args.work / "demo")], check=True, env=env, cwd=REPO)
+    if not (args.checkpoint / "original" / "tokenizer.model").exists():
+        subprocess.run([sys.executable, str(REPO / "bench" / "random_checkpoint.py"), "--model",
+                        MODELS[args.model][0], "--output-dir", str(args.checkpoint)], check=True, env=env)
+    results = {}
+    for name in names:
+        cmd = command(args, name)
+        print(f"== {name}: tune {' '.join(cmd[3:])}", flush=True)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.timeout)
+            res = parse(args.work / name, proc.stdout, args.warmup) if proc.returncode == 0 else {
+                "error": (proc.stdout + proc.stderr)[-1500:]}
+        except subprocess.TimeoutExpired:
+            res = {"error": f"timed out after {args.timeout} s"}
+        results[name] = res
+        print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
+    base = results.get("torch_adamw" if args.job == "full" else "stock_as_shipped", {}).get("tokens_per_s")
+    print(f"\n| run | tokens/s | vs {'torch AdamW' if args.job == 'full' else 'stock'} | peak GPU GiB | host peak RSS GiB |")
+    print("|---|---|---|---|---|")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"| {name} | FAILED | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base and r["tokens_per_s"] else "-"
+        print(f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {r['peak_gpu_gib']:.1f} | {r['host_peak_rss_gib']:.1f} |")
+    args.out.write_text(json.dumps({"kind": "stock", "settings": {k: str(v) for k, v in vars(args).items()},
+                                    "results": results}, indent=1))
+    print(f"results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
