@@ -40,7 +40,9 @@ class Resources:
     def arena(self, pin: bool) -> HostArena:
         pin = pin and self.transfers.is_async
         with _lock:
-            return self.arenas.setdefault(pin, HostArena(pin=pin))
+            if pin not in self.arenas:
+                self.arenas[pin] = HostArena(pin=pin)
+            return self.arenas[pin]
 
 
 _shared: "weakref.WeakValueDictionary[tuple, Resources]" = weakref.WeakValueDictionary()
@@ -53,15 +55,17 @@ def resources(device: torch.device, host_threads: Optional[int]) -> Resources:
     ``host_threads=None``: with a GPU, all intra-op threads but one, whose core launches
     the GPU work; without one, all of them.
     """
-    transfers = Transfers(device)
+    on_gpu = device.type == "cuda"
+    if on_gpu and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     threads = torch.get_num_threads()
     if host_threads is None:
-        host_threads = max(1, threads - 1) if transfers.is_async else threads
-    key = (str(transfers.device), host_threads)
+        host_threads = max(1, threads - 1) if on_gpu else threads
+    key = (str(device), host_threads)
     with _lock:
         shared = _shared.get(key)
-        if shared is None:
-            shared = Resources(transfers, HostWorker(host_threads))
+        if shared is None:  # (streams are made once per device, not per optimizer)
+            shared = Resources(Transfers(device), HostWorker(host_threads))
             _shared[key] = shared
             if host_threads != threads:  # it will set its own count: do it now (see start)
                 shared.worker.start()
