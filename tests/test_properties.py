@@ -103,5 +103,10 @@ def test_behaves_like_reference_or_raises_clearly(
     ref_losses, _ = train(ref_model, ref, 2) if dtype == torch.float32 or not master_weights else (None, None)
     if ref_losses is None:
         return  # bf16 with masters has no exact torch twin; covered by the bf16 tests
+    if not all(math.isfinite(loss) for loss in ref_losses + losses):
+        # (lr=nan) A step with an inf/NaN gradient is skipped here by design
+        # (nonfinite_grads="skip", tested in test_reliability); torch applies it.
+        event("non-finite: skipped here, applied by torch")
+        return
     for p, q in zip(model.parameters(), ref_model.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, equal_nan=True)
