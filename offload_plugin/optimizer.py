@@ -736,11 +736,6 @@ class CPUOffloadOptimizer(Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def _validate_state_dict(self, state_dict: dict[str, Any], allow_nonfinite: bool = False):
-        """Check ``state_dict`` against this optimizer without changing anything; returns
-        the converted state (``checkpoint.LoadPlan``). Raises ValueError saying what differs."""
-        return checkpoint.validate(self, state_dict, allow_nonfinite)
-
     # ------------------------------------------------------------------ reporting
     def host_memory_bytes(self) -> int:
         """Host bytes held for the optimizer: master weights, gradients, staging and state."""
