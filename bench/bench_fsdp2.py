@@ -62,6 +62,7 @@ SEPARATE_UNITS = {"llama3_1_8b": ["tok_embeddings", "output"], "tiny": None}
 def _ours(model, args, **kw):
     from offload_plugin import CPUOffloadOptimizer
 
+    kw.setdefault("master_weights", True)  # names without "nomaster": fp32 masters, as recorded
     return CPUOffloadOptimizer(model.parameters(), lr=args.lr, fused=True,
                                host_threads=args.host_threads, **kw)
 

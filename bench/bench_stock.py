@@ -33,6 +33,7 @@ MODELS = {  # model -> (torchtune builder, stock full config, stock QLoRA config
            "configs/llama3_1/8B_qlora_offload_single_device.yaml"),
 }
 OURS = "optimizer._component_=offload_plugin.CPUOffloadOptimizer"
+ACCUM_CLIP = ["gradient_accumulation_steps=2", "clip_grad_norm=1.0"]
 # name -> (recipe: "stock" or "ours", overrides). Stock full configs ship PagedAdamW8bit with
 # optimizer_in_bwd: True; stock QLoRA configs torch's AdamW(fused=True).
 RUNS = {
@@ -44,8 +45,13 @@ RUNS = {
                               "optimizer_in_bwd=False"]),
         "ours_stock": ("stock", [OURS]),
         "ours_stock_no_in_bwd": ("stock", [OURS, "optimizer_in_bwd=False"]),
-        "ours_stock_no_masters": ("stock", [OURS, "optimizer.master_weights=False"]),
         "ours_recipe": ("ours", []),
+        # fp32 master weights (opt-in): 16 bytes per parameter on the host instead of 8.
+        "ours_stock_masters": ("stock", [OURS, "optimizer.master_weights=True"]),
+        "ours_recipe_masters": ("ours", ["optimizer.master_weights=True"]),
+        # Gradient accumulation and clipping (the stock recipe then needs optimizer_in_bwd off).
+        "ours_stock_accum_clip": ("stock", [OURS, "optimizer_in_bwd=False", *ACCUM_CLIP]),
+        "ours_recipe_accum_clip": ("ours", ACCUM_CLIP),
     },
     "qlora": {
         "stock_as_shipped": ("stock", []),
@@ -53,6 +59,9 @@ RUNS = {
                               "~optimizer.fused"]),
         "ours_stock": ("stock", [OURS]),
         "ours_recipe": ("ours", []),
+        "ours_recipe_offload_host_accum": ("ours", ["optimizer.offload_gradients=True"]),
+        "ours_recipe_offload_device_accum": ("ours", ["optimizer.offload_gradients=True",
+                                                      "optimizer.accumulate_on_device=True"]),
     },
 }
 LAUNCH = (  # tune in this process, so that its peak RSS is the recipe's

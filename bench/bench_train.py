@@ -68,6 +68,9 @@ class Skip(Exception):
 def _ours(model, trainable, args, **kw):
     from offload_plugin import CPUOffloadOptimizer
 
+    # A mode name without "nomaster" keeps fp32 masters, as in every result recorded here
+    # before master_weights became opt-in.
+    kw.setdefault("master_weights", True)
     _check_host_memory(trainable, args, **kw)  # (an upper bound with --device-fraction)
     # model.parameters(), frozen NF4 weights included, as torchtune's recipes pass them.
     if args.device_fraction:

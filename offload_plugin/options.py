@@ -34,7 +34,7 @@ class Options:
     optimizer_cls: type
     optimizer_kwargs: dict
     offload_gradients: bool = False
-    master_weights: bool = True
+    master_weights: bool = False
     pin_memory: bool = True
     nonfinite_grads: str = "skip"
     check_host_memory: bool = True

@@ -323,8 +323,10 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
                 for idx, batch in enumerate(self._dataloader):
                     if idx // self._grad_accum >= self._steps_per_epoch:
                         break
-                    utils.batch_to_device(batch, self._device)
+                    # Counted before the batch moves: a count on the host needs no wait for
+                    # the GPU (overlap_last_backward reads it before the last backward).
                     batch_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
+                    utils.batch_to_device(batch, self._device)
                     if (idx + 1) % self._grad_accum == 0:
                         # Last micro-batch: offloaded updates may start during its backward.
                         recipe_utils.overlap_last_backward(

@@ -180,7 +180,7 @@ def test_resume_in_either_order_continues_bit_exactly(device, order, master_weig
 def test_a_changed_weight_is_in_the_saved_master():
     """state_dict() saves masters that match the model's weights, even right after an edit."""
     model = make_model(dtype=torch.bfloat16)
-    opt = CPUOffloadOptimizer(model.parameters(), lr=LR)
+    opt = CPUOffloadOptimizer(model.parameters(), lr=LR, master_weights=True)
     with torch.no_grad():
         model[2].weight.fill_(0.25)
     index = [p for p in model.parameters() if p.requires_grad].index(model[2].weight)

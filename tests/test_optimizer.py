@@ -60,6 +60,23 @@ def test_matches_reference_optimizer(device, name, offload_gradients, via_optimi
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("offload_gradients", [False, True])
+def test_bf16_default_is_torch_adamw_on_the_bf16_parameters(device, offload_gradients):
+    """With no options, bf16 parameters train bit for bit as torch's AdamW trains them
+    (a drop-in: same weights, same state layout, no master copies)."""
+    ref_model, model = twins(device, torch.bfloat16)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-3, weight_decay=0.1)
+    opt = offload(model, offload_gradients=offload_gradients, lr=1e-3, weight_decay=0.1)
+    ref_losses, _ = train(ref_model, ref, 6, clip=0.5)
+    losses, _ = train(model, opt, 6, clip=0.5, via_optimizer=True)
+    exact = device == "cpu"  # the same CPU kernels run on both sides
+    assert_same_params(ref_model, model, exact=exact)
+    assert losses == pytest.approx(ref_losses, rel=0 if exact else 1e-3)
+    state = opt.state_dict()["state"]
+    assert all("master_weight" not in s and s["exp_avg"].dtype == torch.bfloat16 for s in state.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offload_gradients", [False, True])
 def test_bf16_master_weights_beat_plain_bf16(device, offload_gradients):
     """bf16 parameters with fp32 master weights end closer to fp32 training than bf16 AdamW."""
     kwargs = {"lr": 1e-3}
@@ -68,7 +85,7 @@ def test_bf16_master_weights_beat_plain_bf16(device, offload_gradients):
     bf16_master = copy.deepcopy(fp32).to(torch.bfloat16)
     train(fp32, reference(torch.optim.AdamW, trainable(fp32), **kwargs), 30)
     train(bf16_plain, reference(torch.optim.AdamW, trainable(bf16_plain), **kwargs), 30)
-    opt = offload(bf16_master, offload_gradients=offload_gradients, **kwargs)
+    opt = offload(bf16_master, offload_gradients=offload_gradients, master_weights=True, **kwargs)
     train(bf16_master, opt, 30, via_optimizer=True)
 
     def error(model):
@@ -296,7 +313,7 @@ def test_fused_path_is_bitwise_torch_fused_adamw_across_chunks(dtype, monkeypatc
     ref_model = copy.deepcopy(model).float()  # fp32 reference = what the master weights see
     kwargs = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}
     ref = reference(torch.optim.AdamW, ref_model.parameters(), **kwargs)
-    opt = CPUOffloadOptimizer(model.parameters(), **kwargs)
+    opt = CPUOffloadOptimizer(model.parameters(), master_weights=True, **kwargs)
     for step in range(3):
         x = torch.randn(5, 64, generator=torch.Generator().manual_seed(step))
         model(x.to(dtype)).square().sum().backward()

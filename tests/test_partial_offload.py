@@ -80,8 +80,9 @@ def test_bf16_with_masters_equals_full_offload(overlap):
     """The kept share runs fused AdamW on fp32 masters on the device, as the host does."""
     base = make_model(dtype=torch.bfloat16)
     a, b = copy.deepcopy(base), copy.deepcopy(base)
-    full = offload(a, fused=True, offload_gradients=True, **KW)
-    part = offload(b, fused=True, offload_gradients=True, device_fraction=FRACTION, **KW)
+    full = offload(a, fused=True, offload_gradients=True, master_weights=True, **KW)
+    part = offload(b, fused=True, offload_gradients=True, master_weights=True,
+                   device_fraction=FRACTION, **KW)
     assert _kept(part) and part.state_dict() is not None
     for model, opt in ((a, full), (b, part)):
         for step in range(3):

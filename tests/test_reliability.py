@@ -279,9 +279,9 @@ def test_host_memory_preflight_refuses_before_allocating(monkeypatch):
     monkeypatch.setattr(host_memory, "available_bytes", lambda: (1000, "the cgroup limit in test"))
     allocations = []
     monkeypatch.setattr(optimizer_module, "build_slots", lambda *a: allocations.append(a) or [])
-    model = make_model()
+    model = make_model(dtype=torch.bfloat16)
     with pytest.raises(HostMemoryError) as info:
-        CPUOffloadOptimizer(model.parameters())
+        CPUOffloadOptimizer(model.parameters(), master_weights=True)
     message = str(info.value)
     assert "needs about 0.0 GiB" in message and "1,188 trainable elements" in message
     assert "cgroup limit in test" in message and "master_weights=False" in message
