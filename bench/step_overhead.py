@@ -52,6 +52,7 @@ def time_steps(params, opt, steps: int, device) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--profile", action="store_true", help="also print where ours_default's step spends its time")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {}
@@ -62,6 +63,16 @@ def main() -> None:
     }.items():
         params = adapters(device)
         results[name] = time_steps(params, make(params), args.steps, device) * 1e3
+    if args.profile:
+        import cProfile
+        import pstats
+
+        params = adapters(device)
+        opt = CPUOffloadOptimizer(params, lr=1e-4)
+        time_steps(params, opt, 3, device)
+        with cProfile.Profile() as prof:
+            time_steps(params, opt, args.steps, device)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(15)
     n = len(adapters("cpu"))
     print(json.dumps({"tensors": n, "elements": sum(x.numel() for x in adapters("cpu")),
                       "median_step_ms": results}, indent=1))

@@ -23,26 +23,51 @@ NONFINITE_POLICIES = ("skip", "raise")
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """True if no tensor holds an inf or a NaN.
 
+    GPU tensors are checked together (:func:`_gpu_all_finite`): a few multi-tensor
+    kernels and one wait. A check per tensor would wait for the GPU once per tensor:
+    35 ms for 192 LoRA adapters on the H200, against 1.1 ms for the whole AdamW step there.
+
     Contiguous bf16/fp32 host tensors take native_adam's check (a test of the exponent
     bits, one call per tensor: the host worker does this for every parameter, and each
-    torch op it calls costs a GIL round trip with the training thread). Otherwise one
-    vectorized read pass per tensor, no temporaries: the minimum and maximum are
-    both finite exactly when every element is (they propagate NaN, and an inf is an
-    extreme). ``torch.isfinite(t).all()`` gives the same answer but writes a bool per
-    element, and on the CPU runs ~80x slower for bf16 (measured on 100M elements).
+    torch op it calls costs a GIL round trip with the training thread). Otherwise
+    :func:`_extremes_finite`.
     """
+    on_gpu: dict = {}
     for t in tensors:
         if t.numel() == 0:
+            continue
+        if t.is_cuda:
+            on_gpu.setdefault((t.device, t.dtype), []).append(t)
             continue
         native = native_adam.finite(t)  # host tensors: one native pass, one call
         if native is not None:
             if not native:
                 return False
             continue
-        lo, hi = torch.aminmax(t.reshape(-1))
-        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        if not _extremes_finite(t):
             return False
-    return True
+    return not on_gpu or _gpu_all_finite(on_gpu)
+
+
+def _extremes_finite(t: torch.Tensor) -> bool:
+    """One vectorized read pass, no temporaries: the minimum and maximum are both finite
+    exactly when every element is (they propagate NaN, and an inf is an extreme).
+    ``torch.isfinite(t).all()`` gives the same answer but writes a bool per element, and
+    on the CPU runs ~80x slower for bf16 (measured on 100M elements)."""
+    lo, hi = torch.aminmax(t.reshape(-1))
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _gpu_all_finite(groups: dict) -> bool:
+    """Each group (same device and dtype) in one read-only multi-tensor pass, torch's
+    ``_foreach_norm`` with ord 1 (as ``clip_grad_norm_`` runs it): a sum of absolute
+    values is NaN or inf if any element is. It can also overflow for finite values near
+    the dtype's largest; only then are the groups checked again exactly, per tensor."""
+    norms = [n for group in groups.values() for n in torch._foreach_norm(group, 1)]
+    device = norms[0].device
+    if bool(torch.stack([n.to(device) for n in norms]).isfinite().all()):
+        return True
+    return all(_extremes_finite(t) for group in groups.values() for t in group)
 
 
 class FiniteRecord:

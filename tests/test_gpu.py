@@ -120,3 +120,25 @@ def test_weight_copies_reach_the_second_gpu_from_any_thread():
     thread.join()
     transfers.order_compute_after(result["event"])
     assert torch.equal(dst.cpu(), src)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_gradient_check_on_the_gpu_finds_any_nonfinite_value_and_changes_nothing(dtype, bad):
+    """grad_checks.all_finite checks CUDA tensors together: a single inf or NaN in any of
+    many tensors, of mixed dtypes and sizes, is found; finite values whose sum of absolute
+    values overflows are still finite; the values it reads keep their bits."""
+    from offload_plugin import grad_checks
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(n, device="cuda", generator=g).to(dtype) for n in (1, 7, 4096, 100_003)]
+    tensors.append(torch.randn(33, device="cuda", generator=g))  # another dtype (or the same)
+    tensors.append(torch.full((10,), torch.finfo(dtype).max / 2, device="cuda", dtype=dtype))
+    tensors[3][5] = torch.finfo(dtype).tiny / 4  # a subnormal
+    before = [t.clone() for t in tensors]
+    assert grad_checks.all_finite(tensors)
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before))
+    for i in range(len(tensors)):
+        tensors[i][-1] = bad
+        assert not grad_checks.all_finite(tensors), i
+        tensors[i].copy_(before[i])
