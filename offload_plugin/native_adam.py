@@ -77,25 +77,28 @@ def _cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"offload_plugin-{os.getuid()}"
 
 
-def _build() -> Path:
+def _build(source: Path = _SOURCE) -> Path:
+    """Compiles ``source`` (a .cpp under csrc/) into a cached shared library and returns its
+    path; offload_plugin.compact_adam builds its kernel through this too, with the same
+    flags, cache and OpenMP runtime."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) found")
     gomp = _torch_openmp()
     link = [f"-L{gomp.parent}", f"-l:{gomp.name}", f"-Wl,-rpath,{gomp.parent}"] if gomp else ["-fopenmp"]
     key = hashlib.sha256(
-        _SOURCE.read_bytes()
+        source.read_bytes()
         + repr((compiler, _FLAGS, link, platform.machine(), torch.__version__)).encode()
         + _cpu_id()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"adam_master_bf16_{key}.so"
+    target = _cache_dir() / f"{source.stem}_{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
         for cmd in (
-            [compiler, *_FLAGS, "-c", str(_SOURCE), "-o", str(obj)],
+            [compiler, *_FLAGS, "-c", str(source), "-o", str(obj)],
             [compiler, "-shared", str(obj), "-o", str(lib), *link],
         ):
             done = subprocess.run(cmd, capture_output=True, text=True)
