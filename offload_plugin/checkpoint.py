@@ -221,13 +221,14 @@ def _check_group(opt, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple[di
     # catches what only step() checks (capturable=True on the host, ...).
     accepted = inspect.signature(cls.__init__).parameters
     try:
-        probe = cls([torch.zeros(1)], **{k: v for k, v in hyper.items() if k in accepted and k != "params"})
+        dtype = torch.bfloat16 if getattr(cls, "bf16_host_only", False) else torch.float32  # (CompactAdamW)
+        probe = cls([torch.zeros(1, dtype=dtype)], **{k: v for k, v in hyper.items() if k in accepted and k != "params"})
         creates_state = bool(probe.state)
         own = probe.state_dict()
         probe.load_state_dict({"state": own["state"],
                                "param_groups": [dict(hyper, params=own["param_groups"][0]["params"])]})
         normalized = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
-        probe.param_groups[0]["params"][0].grad = torch.zeros(1)
+        probe.param_groups[0]["params"][0].grad = torch.zeros(1, dtype=dtype)
         probe.step()
     except Exception as err:  # whatever the class raises, this group cannot be used
         raise ValueError(
@@ -247,6 +248,11 @@ def _check_entry(
     slot = opt._slots.get(param)
     target = slot.master if slot is not None else opt._device_share.target[param]
     cls = opt.optimizer_cls
+    own_check = getattr(cls, "check_state_entry", None)  # a class that checks its own entries
+    if own_check is not None and entry:
+        if MASTER_KEY in entry:
+            raise ValueError(f"{where} has a {MASTER_KEY!r}, which {cls.__name__} does not keep.")
+        return own_check(where, dict(entry), target, group), None
     rules = _STATE_KEYS.get(cls)
     keys = set(entry) - {MASTER_KEY}
     if rules is not None and keys:

@@ -16,7 +16,7 @@ import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -200,6 +200,9 @@ class HostSlot:
     # device it was on: a different mark means the weight was changed outside the optimizer.
     mark: tuple = ()
     param_device: Optional[torch.device] = None
+    # Told of ``master`` when a changed weight replaced it: the host optimizer's
+    # ``weight_replaced`` if it has one (CompactAdamW drops the old weight's remainder).
+    on_replaced: Optional[Callable[[torch.Tensor], None]] = None
     # Held while adding ``incoming`` into ``grad``, which the host worker does during
     # backward and the training thread may do too (whichever comes first).
     settle_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

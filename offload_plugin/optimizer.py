@@ -349,6 +349,8 @@ class CPUOffloadOptimizer(Optimizer):
                 "device_fraction is not supported with DTensor (FSDP2) parameters yet; "
                 "use device_fraction=0."
             )
+        if getattr(self.optimizer_cls, "bf16_host_only", False):
+            self._check_host_only(params)
         all_params, params = params, [p for p in params if id(p) not in self._keep_ids]
         # A DTensor (FSDP2) parameter costs this rank only its local shard.
         shards = [local_part(p) for p in params]
@@ -371,6 +373,8 @@ class CPUOffloadOptimizer(Optimizer):
             self._host_optimizer.add_param_group(host_group)
         if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
             allocate_moments(slots)  # (the fused path creates Adam's state itself)
+        for slot in slots:
+            slot.on_replaced = getattr(self._host_optimizer, "weight_replaced", None)
         if self._device_share is not None:  # one group per outer group, even if empty
             self._device_share.add_group({k: v for k, v in group.items() if k != "params"}, on_device)
         self._slots.add(slots)  # in parameter order: forward order for torchtune's models
@@ -739,6 +743,24 @@ class CPUOffloadOptimizer(Optimizer):
         checkpoint.write_weights(self, plan)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+
+    def _check_host_only(self, params: list) -> None:
+        """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates the bf16 host
+        copies of one process: refuse what it cannot take before anything is allocated."""
+        name = self.optimizer_cls.__name__
+        if any(isinstance(p, DTensor) for p in params):
+            raise ValueError(
+                f"optimizer_cls={name} does not support DTensor (FSDP2) parameters yet; use "
+                "torch.optim.AdamW with FSDP2."
+            )
+        if self.master_weights or any(p.dtype != torch.bfloat16 for p in params):
+            dtypes = sorted({str(p.dtype) for p in params})
+            raise ValueError(
+                f"optimizer_cls={name} updates bf16 host copies and keeps the master itself: it "
+                f"needs bf16 parameters (got {', '.join(dtypes)}) and master_weights=False (the "
+                f"default; got {self.master_weights}). Convert the model with "
+                "model.to(torch.bfloat16) (torchtune: dtype=bf16)."
+            )
 
     # ------------------------------------------------------------------ reporting
     def host_memory_bytes(self) -> int:

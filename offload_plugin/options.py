@@ -60,6 +60,11 @@ class Options:
                 f"device_fraction must be in [0, 1), got {self.device_fraction!r}; to keep the "
                 "whole optimizer on the device, use optimizer_cls directly."
             )
+        if self.device_fraction and getattr(self.optimizer_cls, "bf16_host_only", False):
+            raise ValueError(
+                f"optimizer_cls={self.optimizer_cls.__name__} updates host tensors only; it "
+                "does not combine with device_fraction. Use device_fraction=0."
+            )
         host_threads = self.host_threads
         if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
             raise ValueError(f"host_threads must be a positive int or None, got {host_threads!r}")

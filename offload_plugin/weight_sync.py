@@ -78,5 +78,9 @@ def adopt_weight(slot: HostSlot) -> bool:
     slot.mark = weight_mark(slot.param)
     if host.dtype != slot.master.dtype and bits_equal(slot.master.to(host.dtype), host):
         return False  # the weight is still the rounded master: keep the master's extra bits
+    if host.dtype == slot.master.dtype and bits_equal(slot.master, host):
+        return False  # the same bits written again: keep what the host optimizer derived
     slot.master.copy_(host)
+    if slot.on_replaced is not None:
+        slot.on_replaced(slot.master)
     return True

@@ -1,0 +1,247 @@
+"""``CompactAdamW``: AdamW on host bf16 tensors with 8-bit moments and an exact fp32 master.
+
+The opt-in compact host state (issue #20), as an ordinary ``torch.optim.Optimizer`` so
+that it plugs into ``CPUOffloadOptimizer`` the way any other ``optimizer_cls`` does::
+
+    CPUOffloadOptimizer(model.parameters(), optimizer_cls="offload_plugin.CompactAdamW", lr=2e-5)
+
+or in a torchtune config, ``optimizer.optimizer_cls=offload_plugin.CompactAdamW``. Per
+bf16 parameter the host keeps the bf16 weight, a 16-bit remainder that makes it an exact
+fp32 master, and block-wise 8-bit moments: about 8 bytes with the gradient, where exact
+AdamW with fp32 masters keeps 16 (``compact_adam`` has the scheme and the kernel). It is
+not exact: the moments are quantized as in bitsandbytes' AdamW8bit, and the weight is the
+master rounded to nearest with ties away from zero.
+
+Each parameter's state entry holds ``step``, ``exp_avg`` and ``exp_avg_sq`` (uint8 codes
+shaped like the parameter), ``exp_avg_absmax`` and ``exp_avg_sq_absmax`` (fp32, one per
+256 elements) and ``remainder`` (int16 shaped like the parameter; absent with
+``master=False``). :func:`to_adamw_state_dict` and :func:`from_adamw_state_dict` convert
+a whole state dict to and from torch's AdamW layout.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Any, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from offload_plugin import compact_adam
+
+__all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict"]
+
+_CODES = ("exp_avg", "exp_avg_sq")
+_SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
+
+
+class CompactAdamW(Optimizer):
+    """AdamW (decoupled weight decay) with compact state, for contiguous bf16 CPU tensors:
+    the host copies that ``CPUOffloadOptimizer`` updates (with ``master_weights=False``,
+    its default, they are bf16).
+
+    Args:
+        params: bf16 CPU tensors or param groups.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW.
+        master (bool): keep the 16-bit remainder that makes the weight an exact fp32
+            master (2 bytes per parameter). ``False``: the weight alone, plain bf16 AdamW
+            with 8-bit moments. Default: ``True``.
+        fused, foreach: accepted for configs written for torch's AdamW; ignored.
+    """
+
+    # CPUOffloadOptimizer refuses it with device_fraction and FSDP2 (DTensor) parameters:
+    # its update runs on the host tensors of one process only.
+    bf16_host_only = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, master: bool = True,
+                 fused: Optional[bool] = None, foreach: Optional[bool] = None) -> None:
+        # fused and foreach are taken (and ignored) so that configs written for torch's
+        # AdamW (torchtune's QLoRA configs set fused: True) work unchanged: the update is
+        # always one native pass.
+        if not 0.0 <= lr:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not 0.0 <= eps:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"Invalid beta parameters: {betas}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay, master=bool(master)))
+        # A weight written by anyone else (new weights loaded) must drop its remainder,
+        # which belongs to the old one. CPUOffloadOptimizer says so (weight_replaced); used
+        # directly, a weight's version counter tells: the kernel's own writes go through a
+        # raw pointer and leave it alone. Only for tensors that own their storage: views
+        # (CPUOffloadOptimizer's host copies share blocks) count every write to the block.
+        self._versions: dict[int, int] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None) -> Optional[Any]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                _check_tensor(p, "parameter")
+                _check_tensor(p.grad, "gradient")
+                state = self._compact(p, group)
+                compact_adam.step_(
+                    state, p.grad.view(-1), lr=float(group["lr"]), beta1=float(beta1),
+                    beta2=float(beta2), eps=float(group["eps"]),
+                    weight_decay=float(group["weight_decay"]),
+                )
+                self.state[p]["step"].fill_(float(state.step))
+                self._remember_version(p)
+        return loss
+
+    def weight_replaced(self, p: torch.Tensor) -> None:
+        """``p`` now holds new weights: its master restarts from them (remainder zero)."""
+        remainder = self.state[p].get("remainder") if p in self.state else None
+        if remainder is not None:
+            remainder.zero_()
+
+    def _remember_version(self, p: torch.Tensor) -> None:
+        if p._base is None:
+            self._versions[id(p)] = p._version
+
+    def _compact(self, p: torch.Tensor, group: dict) -> compact_adam.CompactAdamState:
+        """``p``'s state entry as a CompactAdamState over the same tensors (no copies)."""
+        entry = self.state[p]
+        if not entry:
+            fresh = compact_adam.CompactAdamState.zeros(p.view(-1), master_weights=group["master"])
+            entry.update({k: v.view(p.shape) if v.numel() == p.numel() else v
+                          for k, v in fresh.state_dict().items()})
+            self._remember_version(p)
+        remainder = entry.get("remainder")
+        state = compact_adam.CompactAdamState(
+            weight=p.view(-1), remainder=None if remainder is None else remainder.view(-1),
+            exp_avg=entry["exp_avg"].view(-1), exp_avg_absmax=entry["exp_avg_absmax"],
+            exp_avg_sq=entry["exp_avg_sq"].view(-1), exp_avg_sq_absmax=entry["exp_avg_sq_absmax"],
+            step=int(entry["step"].item()),
+        )
+        if p._base is None and self._versions.get(id(p), p._version) != p._version:
+            state.reset_master()  # the weight was replaced: it is the master now
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, except that state tensors keep their dtypes: torch's own loading casts
+        every state tensor of a floating-point parameter to its dtype, which would turn the
+        uint8 codes and the int16 remainder into bf16. Entries are taken as given (no
+        checks: CPUOffloadOptimizer.load_state_dict checks them first, check_state_entry)."""
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
+            raise ValueError("loaded state dict has a different number of parameter groups or "
+                             "parameters than this CompactAdamW")
+        by_index = {index: p for s, g in zip(saved_groups, self.param_groups)
+                    for index, p in zip(s["params"], g["params"])}
+        self.state = collections.defaultdict(dict)
+        for index, entry in state_dict["state"].items():
+            p = by_index[index]
+            self.state[p] = {k: v.detach().to("cpu").clone() for k, v in entry.items()}
+        for saved, group in zip(saved_groups, self.param_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        # Loaded remainders belong to the weights as they are now (saved together).
+        self._versions = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                self._remember_version(p)
+
+    @staticmethod
+    def check_state_entry(where: str, entry: dict, param: torch.Tensor, group: dict) -> dict:
+        """A checkpoint's state entry for ``param``, checked and copied into new host
+        tensors (``CPUOffloadOptimizer.load_state_dict`` calls this before changing
+        anything); raises ValueError saying what is wrong."""
+        n, blocks = param.numel(), -(-param.numel() // compact_adam.BLOCK)
+        want = {"step": (None, 1), "exp_avg": (torch.uint8, n), "exp_avg_sq": (torch.uint8, n),
+                "exp_avg_absmax": (torch.float32, blocks), "exp_avg_sq_absmax": (torch.float32, blocks)}
+        if group.get("master", True):
+            want["remainder"] = (torch.int16, n)
+        if set(entry) != set(want):
+            raise ValueError(
+                f"{where} has the keys {sorted(map(str, entry))}: CompactAdamW"
+                f"(master={group.get('master', True)}) keeps {sorted(want)} per parameter. A torch "
+                "AdamW state dict converts with offload_plugin.compact_optimizer.from_adamw_state_dict."
+            )
+        out = {}
+        for key, (dtype, numel) in want.items():
+            value = entry[key]
+            if not isinstance(value, torch.Tensor) or value.numel() != numel or (
+                    dtype is not None and value.dtype != dtype):
+                got = (f"{value.dtype} with {value.numel()} elements" if isinstance(value, torch.Tensor)
+                       else type(value).__name__)
+                need = "one number" if dtype is None else f"{dtype} with {numel} elements"
+                raise ValueError(f"{where} ({key!r}) is {got}; it needs {need}.")
+            value = value.detach().to("cpu").clone()
+            if dtype is None or dtype == torch.float32:
+                value = value.float()
+                if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
+                    raise ValueError(f"{where} ({key!r}) holds a negative or non-finite value.")
+            out[key] = value.reshape(()) if dtype is None else (
+                value.reshape(param.shape) if numel == n else value.reshape(-1))
+        return out
+
+
+def _check_tensor(t: torch.Tensor, what: str) -> None:
+    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"CompactAdamW updates contiguous bf16 CPU tensors; got a {what} of dtype {t.dtype} "
+            f"on {t.device}. Use it as CPUOffloadOptimizer's optimizer_cls with bf16 parameters "
+            "and master_weights=False (the default): its remainder is the master."
+        )
+
+
+def to_adamw_state_dict(state_dict: dict, params: list) -> tuple[dict, list]:
+    """A CompactAdamW state dict in torch AdamW's layout: (state dict, fp32 masters in the
+    order of ``params``, the parameters the state belongs to, as bf16 weights). Load the
+    masters into fp32 parameters for an exact continuation, or round them to bf16."""
+    out, masters = {"state": {}, "param_groups": []}, []
+    for group in state_dict["param_groups"]:
+        out["param_groups"].append({k: v for k, v in group.items() if k != "master"}
+                                   | {"amsgrad": False, "maximize": False, "foreach": None,
+                                      "capturable": False, "differentiable": False, "fused": None,
+                                      "decoupled_weight_decay": True})
+    for index, p in enumerate(params):
+        entry = state_dict["state"].get(index)
+        weight = p.detach().reshape(-1).to("cpu", torch.bfloat16).contiguous()
+        if not entry:
+            masters.append(weight.float().view(p.shape))
+            continue
+        state = _state_of(entry, weight)
+        master, exact = compact_adam.to_exact(state)
+        out["state"][index] = {"step": exact["step"], "exp_avg": exact["exp_avg"].view(p.shape),
+                               "exp_avg_sq": exact["exp_avg_sq"].view(p.shape)}
+        masters.append(master.view(p.shape))
+    return out, masters
+
+
+def from_adamw_state_dict(state_dict: dict, params: list, master: bool = True) -> dict:
+    """A torch AdamW state dict (with ``master_weight`` entries, as CPUOffloadOptimizer
+    saves them with ``master_weights=True``, or without) in CompactAdamW's layout, for
+    ``params`` in the state dict's order. Where an entry has a fp32 master, the remainder
+    is the master's; the weight the model needs is then the master rounded, which
+    :func:`compact_adam.split_master` gives."""
+    out = {"state": {}, "param_groups": []}
+    for group in state_dict["param_groups"]:
+        keep = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "params") if k in group}
+        out["param_groups"].append(keep | {"master": master})
+    for index, p in enumerate(params):
+        entry = state_dict["state"].get(index)
+        if not entry:
+            continue
+        state = compact_adam.from_exact(p, entry["exp_avg"], entry["exp_avg_sq"],
+                                        step=int(float(entry["step"])),
+                                        master=entry.get("master_weight"), master_weights=master)
+        sd = state.state_dict()
+        out["state"][index] = {k: v.view(p.shape) if v.numel() == p.numel() else v for k, v in sd.items()}
+    return out
+
+
+def _state_of(entry: dict, weight: torch.Tensor) -> compact_adam.CompactAdamState:
+    flat = {k: v.reshape(-1) for k, v in entry.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+    return compact_adam.CompactAdamState.from_state_dict(dict(entry, **flat), weight)
