@@ -65,6 +65,24 @@ def test_overlapped_steps_match_plain_steps():
     assert_same_params(runs[False], runs[True], exact=True)
 
 
+@pytest.mark.parametrize("offload_gradients", [False, True])
+def test_delayed_update_applies_each_gradient_one_step_late(offload_gradients):
+    """delayed_update with CompactAdamW: CompactAdamW fed each gradient one step late."""
+    from test_delayed_update import StaleByOne, _train
+
+    ref_model, model = _twins()
+    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, delayed_update=True,
+                              offload_gradients=offload_gradients, **KW)
+    ref = StaleByOne(ref_model, cls=CompactAdamW, **KW)
+    for step in range(4):
+        _train(model, opt, 1, start=step, clip=0.05)
+        _train(ref_model, ref, 1, start=step, clip=0.05, ours=False)
+        assert_same_params(model, ref_model, exact=True)
+    opt.state_dict()  # completes the pending update
+    ref.flush()
+    assert_same_params(model, ref_model, exact=True)
+
+
 def test_resume_from_state_dict_continues_bit_exactly(tmp_path):
     """Save after 3 steps, build a new optimizer, load, train 3 more: as 6 uninterrupted."""
     straight, resumed = _twins()

@@ -16,11 +16,11 @@ from reference_twin import DEVICES, assert_same_params, batch, make_model, offlo
 
 
 class StaleByOne:
-    """torch AdamW fed each step's (scaled, clipped) gradients one step late."""
+    """torch's AdamW (or ``cls``) fed each step's (scaled, clipped) gradients one step late."""
 
-    def __init__(self, model, **kwargs):
+    def __init__(self, model, cls=torch.optim.AdamW, **kwargs):
         self.params = trainable(model)
-        self.opt = reference(torch.optim.AdamW, self.params, **kwargs)
+        self.opt = reference(cls, self.params, **kwargs)
         self.pending = None
 
     def step(self):
@@ -43,12 +43,12 @@ def _train(model, opt, steps, *, start=0, accum=3, clip=None, ours=True, scale_i
     """torchtune's order; ours announces the last backward as our recipes do, with the
     gradient scale given there (``scale_in_overlap``, our recipes without clipping) or
     applied by scale_grads."""
-    device = next(model.parameters()).device
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     for step in range(start, start + steps):
         for micro in range(accum):
             if ours and opt.offload_gradients and micro == accum - 1:
                 opt.overlap_next_step(grad_scale=1.0 / (8 * accum) if scale_in_overlap else None)
-            x, y = batch(step, micro, device)
+            x, y = batch(step, micro, device, dtype)
             ((model(x) - y) ** 2).sum().backward()
         if ours:
             if not scale_in_overlap:
