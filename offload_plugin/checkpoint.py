@@ -203,7 +203,10 @@ def _check_group(opt, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple[di
     (AdamW sets decoupled_weight_decay=True on loading, whatever the checkpoint says), and
     whether the class creates its state in ``__init__``."""
     cls = opt.optimizer_cls
-    missing = (set(opt.defaults) - KEYS_TORCH_MAY_LACK) - saved.keys()
+    # A class may name group keys that checkpoints of its peers lack (CompactAdamW's
+    # "master": a bitsandbytes AdamW8bit checkpoint loads into it).
+    optional = KEYS_TORCH_MAY_LACK | set(getattr(cls, "optional_group_keys", ()))
+    missing = (set(opt.defaults) - optional) - saved.keys()
     if missing:
         raise ValueError(
             f"state dict was written by another optimizer class: parameter group {i} "

@@ -16,7 +16,8 @@ Each parameter's state entry holds ``step``, ``exp_avg`` and ``exp_avg_sq`` (uin
 shaped like the parameter), ``exp_avg_absmax`` and ``exp_avg_sq_absmax`` (fp32, one per
 256 elements) and ``remainder`` (int16 shaped like the parameter; absent with
 ``master=False``). :func:`to_adamw_state_dict` and :func:`from_adamw_state_dict` convert
-a whole state dict to and from torch's AdamW layout.
+a whole state dict to and from torch's AdamW layout; a bitsandbytes AdamW8bit (or
+PagedAdamW8bit, torchtune's stock full-finetune optimizer) state dict loads as it is.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class CompactAdamW(Optimizer):
     # CPUOffloadOptimizer refuses it with device_fraction and FSDP2 (DTensor) parameters:
     # its update runs on the host tensors of one process only.
     bf16_host_only = True
+    # Group keys a checkpoint may lack: bitsandbytes' AdamW8bit has no "master" (its state
+    # entries convert, see check_state_entry).
+    optional_group_keys = ("master",)
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master: bool = True,
@@ -157,6 +161,8 @@ class CompactAdamW(Optimizer):
         """A checkpoint's state entry for ``param``, checked and copied into new host
         tensors (``CPUOffloadOptimizer.load_state_dict`` calls this before changing
         anything); raises ValueError saying what is wrong."""
+        if _BNB_STATE in entry or "state1" in entry:
+            entry = _from_bnb_entry(where, entry, param, group)
         n, blocks = param.numel(), -(-param.numel() // compact_adam.BLOCK)
         want = {"step": (None, 1), "exp_avg": (torch.uint8, n), "exp_avg_sq": (torch.uint8, n),
                 "exp_avg_absmax": (torch.float32, blocks), "exp_avg_sq_absmax": (torch.float32, blocks)}
@@ -185,6 +191,25 @@ class CompactAdamW(Optimizer):
             out[key] = value.reshape(()) if dtype is None else (
                 value.reshape(param.shape) if numel == n else value.reshape(-1))
         return out
+
+
+_BNB_STATE = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict() puts its codes
+
+
+def _from_bnb_entry(where: str, entry: dict, param: torch.Tensor, group: dict) -> dict:
+    """A bitsandbytes (0.50) AdamW8bit state entry as CompactAdamW's: its moments are
+    dequantized through its own maps and quantized again with ours; the weight is the
+    master (bitsandbytes keeps none). Anything malformed raises ValueError."""
+    try:
+        state = compact_adam.from_bnb(param.detach().to(torch.bfloat16), entry,
+                                      master_weights=group.get("master", True))
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
+        raise ValueError(
+            f"{where} looks like a bitsandbytes AdamW8bit entry but does not convert: "
+            f"{type(err).__name__}: {err}"
+        ) from None
+    return {k: v.view(param.shape) if v.numel() == param.numel() else v
+            for k, v in state.state_dict().items()}
 
 
 def _check_tensor(t: torch.Tensor, what: str) -> None:

@@ -232,3 +232,58 @@ def test_torchtune_stock_full_recipe_trains_with_compact_state(tmp_path):
         assert len(losses) == 25 and sum(losses[-5:]) < 0.8 * sum(losses[:5]), (name, losses)
         finals[name] = sum(losses[-5:]) / 5
     assert abs(finals["compact"] - finals["exact"]) <= 0.01 * finals["exact"], finals
+
+
+def test_a_bitsandbytes_adamw8bit_state_dict_loads_and_training_continues():
+    """torchtune's stock full-finetune optimizer is bitsandbytes' (Paged)AdamW8bit: its state
+    dict loads into CompactAdamW as it is, with the same moments to within a quantization
+    step, and training goes on from there as bitsandbytes' own would, closely."""
+    bnb = pytest.importorskip("bitsandbytes")
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.Tanh(), torch.nn.Linear(512, 4)).to(torch.bfloat16)
+    x = torch.randn(32, 64).to(torch.bfloat16)
+
+    def steps(model, opt, n):
+        for _ in range(n):
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return model(x).float().pow(2).mean().item()
+
+    theirs = copy.deepcopy(base)
+    their_opt = bnb.optim.AdamW8bit(theirs.parameters(), lr=1e-3)
+    steps(theirs, their_opt, 5)
+    ours = copy.deepcopy(theirs)
+    opt = CPUOffloadOptimizer(ours.parameters(), optimizer_cls=CompactAdamW, lr=1e-3)
+    opt.load_state_dict(their_opt.state_dict())
+    loaded, saved = opt.state_dict()["state"], their_opt.state_dict()["state"]
+    for index, p in enumerate(ours.parameters()):
+        got = compact_optimizer._state_of(loaded[index], p.detach().reshape(-1))
+        assert got.step == 5
+        for k, moment in zip((1, 2), got.moments()):
+            assert (moment - _bnb_moment(saved[index], k, p.numel())).abs().max() <= 0.02 * moment.abs().max(), index
+    loss_theirs, loss_ours = steps(theirs, their_opt, 20), steps(ours, opt, 20)
+    assert abs(loss_ours - loss_theirs) <= 0.02 * loss_theirs, (loss_ours, loss_theirs)
+
+
+def _bnb_moment(entry: dict, k: int, n: int) -> torch.Tensor:
+    """bitsandbytes' moment ``k`` as it defines it: its code's value in its own map times
+    the block's absmax (256 per block), or the fp32 tensor it keeps for small parameters."""
+    quant = entry["__bnb_optimizer_quant_state__"]
+    codes = quant[f"state{k}"].reshape(-1)
+    if codes.dtype != torch.uint8:
+        return codes.float()
+    return quant[f"qmap{k}"][codes.long()] * quant[f"absmax{k}"].reshape(-1).repeat_interleave(256)[:n]
+
+
+def test_a_malformed_bitsandbytes_entry_is_refused():
+    bnb = pytest.importorskip("bitsandbytes")
+    model = torch.nn.Linear(64, 512).to(torch.bfloat16)
+    their_opt = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 64).to(torch.bfloat16)).sum().backward()
+    their_opt.step()
+    sd = their_opt.state_dict()
+    sd["state"][0]["__bnb_optimizer_quant_state__"]["absmax1"] = torch.zeros(3)
+    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, lr=1e-3)
+    with pytest.raises(ValueError, match="bitsandbytes"):
+        opt.load_state_dict(sd)
