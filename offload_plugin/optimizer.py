@@ -405,6 +405,24 @@ class CPUOffloadOptimizer(Optimizer):
         """Trainable parameters in order, group by group (the order of state-dict indices)."""
         return (p for g in self.param_groups for p in g["params"])
 
+    def _check_host_only(self, params: list) -> None:
+        """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates the bf16 host
+        copies of one process: refuse what it cannot take before anything is allocated."""
+        name = self.optimizer_cls.__name__
+        if any(isinstance(p, DTensor) for p in params):
+            raise ValueError(
+                f"optimizer_cls={name} does not support DTensor (FSDP2) parameters yet; use "
+                "torch.optim.AdamW with FSDP2."
+            )
+        if self.master_weights or any(p.dtype != torch.bfloat16 for p in params):
+            dtypes = sorted({str(p.dtype) for p in params})
+            raise ValueError(
+                f"optimizer_cls={name} updates bf16 host copies and keeps the master itself: it "
+                f"needs bf16 parameters (got {', '.join(dtypes)}) and master_weights=False (the "
+                f"default; got {self.master_weights}). Convert the model with "
+                "model.to(torch.bfloat16) (torchtune: dtype=bf16)."
+            )
+
     # ------------------------------------------------------------------ gradients
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """Backward hook (offload_gradients=True)."""
@@ -743,24 +761,6 @@ class CPUOffloadOptimizer(Optimizer):
         checkpoint.write_weights(self, plan)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-
-    def _check_host_only(self, params: list) -> None:
-        """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates the bf16 host
-        copies of one process: refuse what it cannot take before anything is allocated."""
-        name = self.optimizer_cls.__name__
-        if any(isinstance(p, DTensor) for p in params):
-            raise ValueError(
-                f"optimizer_cls={name} does not support DTensor (FSDP2) parameters yet; use "
-                "torch.optim.AdamW with FSDP2."
-            )
-        if self.master_weights or any(p.dtype != torch.bfloat16 for p in params):
-            dtypes = sorted({str(p.dtype) for p in params})
-            raise ValueError(
-                f"optimizer_cls={name} updates bf16 host copies and keeps the master itself: it "
-                f"needs bf16 parameters (got {', '.join(dtypes)}) and master_weights=False (the "
-                f"default; got {self.master_weights}). Convert the model with "
-                "model.to(torch.bfloat16) (torchtune: dtype=bf16)."
-            )
 
     # ------------------------------------------------------------------ reporting
     def host_memory_bytes(self) -> int:

@@ -78,6 +78,22 @@ def train(model, opt, steps, *, start=0, accum=2, clip=None, sched=None, via_opt
     return losses, norms
 
 
+def train_overlapped(model, opt, steps, overlap: bool) -> None:
+    """Two bf16 micro-batches per step, summed losses scaled by 1/16: with ``overlap`` the
+    scale goes to ``overlap_next_step`` before the last backward, else to ``scale_grads``
+    after it (the two must give the same bits)."""
+    for step in range(steps):
+        for micro in range(2):
+            if overlap and micro == 1:
+                opt.overlap_next_step(grad_scale=1.0 / 16)
+            x, y = batch(step, micro, "cpu", torch.bfloat16)
+            ((model(x) - y) ** 2).sum().backward()
+        if not overlap:
+            opt.scale_grads(1.0 / 16)
+        opt.step()
+        opt.zero_grad()
+
+
 def reference(cls, params, **kwargs):
     """torch's ``cls`` as the reference for CPUOffloadOptimizer(optimizer_cls=cls, **kwargs):
     Adam and AdamW without a choice of implementation run torch's fused kernel there

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from offload_plugin import CompactAdamW, CPUOffloadOptimizer, compact_optimizer
-from reference_twin import assert_same_params, batch, make_model, train, trainable
+from reference_twin import assert_same_params, make_model, train, train_overlapped, trainable
 
 KW = {"lr": 1e-2, "weight_decay": 0.1}
 
@@ -51,16 +51,7 @@ def test_overlapped_steps_match_plain_steps():
         model = make_model(dtype=torch.bfloat16)
         opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW,
                                   offload_gradients=True, **KW)
-        for step in range(4):
-            for micro in range(2):
-                if overlap and micro == 1:
-                    opt.overlap_next_step(grad_scale=1.0 / 16)
-                x, y = batch(step, micro, "cpu", torch.bfloat16)
-                ((model(x) - y) ** 2).sum().backward()
-            if not overlap:
-                opt.scale_grads(1.0 / 16)
-            opt.step()
-            opt.zero_grad()
+        train_overlapped(model, opt, 4, overlap)
         runs[overlap] = model
     assert_same_params(runs[False], runs[True], exact=True)
 

@@ -12,8 +12,9 @@ import logging
 import pytest
 import torch
 
-from offload_plugin import CPUOffloadOptimizer
-from reference_twin import DEVICES, assert_same_params, batch, make_model, offload, reference, train, trainable, twins
+from reference_twin import (
+    DEVICES, assert_same_params, batch, make_model, offload, reference, train, train_overlapped, trainable, twins,
+)
 
 KW = {"lr": 1e-2, "weight_decay": 0.1}
 FRACTION = 0.9  # the model's first weight and bias (1,056 of 1,188 trainable elements)
@@ -85,16 +86,7 @@ def test_bf16_with_masters_equals_full_offload(overlap):
                    device_fraction=FRACTION, **KW)
     assert _kept(part) and part.state_dict() is not None
     for model, opt in ((a, full), (b, part)):
-        for step in range(3):
-            for micro in range(2):
-                if overlap and micro == 1:
-                    opt.overlap_next_step(grad_scale=1.0 / 16)
-                x, y = batch(step, micro, "cpu", torch.bfloat16)
-                ((model(x) - y) ** 2).sum().backward()
-            if not overlap:
-                opt.scale_grads(1.0 / 16)
-            opt.step()
-            opt.zero_grad()
+        train_overlapped(model, opt, 3, overlap)
     assert_same_params(a, b, exact=True)
     kept = _kept(part)[0]
     assert part.state_dict()["state"][0]["master_weight"].dtype == torch.float32
