@@ -53,6 +53,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--profile", action="store_true", help="also print where ours_default's step spends its time")
+    p.add_argument("--only", default=None, help="time only this variant (e.g. under a sampling profiler)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {}
@@ -61,6 +62,8 @@ def main() -> None:
         "ours_default": lambda ps: CPUOffloadOptimizer(ps, lr=1e-4),
         "ours_offload_gradients": lambda ps: CPUOffloadOptimizer(ps, lr=1e-4, offload_gradients=True),
     }.items():
+        if args.only is not None and name != args.only:
+            continue
         params = adapters(device)
         results[name] = time_steps(params, make(params), args.steps, device) * 1e3
     if args.profile:

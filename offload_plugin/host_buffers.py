@@ -22,8 +22,8 @@ import torch
 
 from offload_plugin.distributed import DTensor, local_part
 
-__all__ = ["HostSlot", "HostArena", "ArenaAccount", "allocate_landing", "allocate_moments", "build_slots",
-           "master_dtype_for"]
+__all__ = ["HostSlot", "HostArena", "ArenaAccount", "allocate_landing", "allocate_moments", "back_to_back",
+           "build_slots", "master_dtype_for"]
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +203,9 @@ class HostSlot:
     # Told of ``master`` when a changed weight replaced it: the host optimizer's
     # ``weight_replaced`` if it has one (CompactAdamW drops the old weight's remainder).
     on_replaced: Optional[Callable[[torch.Tensor], None]] = None
+    # Whether the one-pass kernel takes all of this slot in a batch (host_update's
+    # _one_native_call without amsgrad); worked out at the first update (None before).
+    native_whole: Optional[bool] = None
     # Held while adding ``incoming`` into ``grad``, which the host worker does during
     # backward and the training thread may do too (whichever comes first).
     settle_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -331,6 +334,27 @@ def _copy_weights_in(
     torch.cuda.synchronize(params[0].device)
     if widen:
         _span(masters).copy_(_span(scratch))
+
+
+def back_to_back(tensors: list) -> Optional[torch.Tensor]:
+    """One 1-D tensor over ``tensors`` if they are contiguous, of one dtype, and follow each
+    other in one storage in this order (as ``HostArena.allocate`` hands out its views);
+    else None. Empty tensors occupy nothing (and may report a null pointer)."""
+    dtype = tensors[0].dtype
+    held = [t for t in tensors if t.numel() > 0]
+    if not held or any(t.dtype != dtype for t in tensors):
+        return None
+    first = held[0]
+    itemsize = first.element_size()
+    base = first.data_ptr() - first.storage_offset() * itemsize  # the storage's start
+    end, numel = first.data_ptr(), 0
+    for t in held:
+        if (t.data_ptr() != end or not t.is_contiguous()
+                or t.data_ptr() - t.storage_offset() * itemsize != base):
+            return None
+        end += t.numel() * itemsize
+        numel += t.numel()
+    return first.as_strided((numel,), (1,))
 
 
 def _span(views: list[torch.Tensor]) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from torch.optim import Optimizer
 
 from offload_plugin import native_adam
-from offload_plugin.host_buffers import HostSlot
+from offload_plugin.host_buffers import HostSlot, back_to_back
 
 __all__ = ["uses_fused_adam", "update_slots"]
 
@@ -122,13 +122,17 @@ def _fused_adam_update(
 def _one_native_call(slot: HostSlot, group: dict) -> bool:
     """Whether ``slot`` can go through step_many (alone or with others): the one-pass
     kernel applies to all of it (no torch tail) and its buffers are contiguous."""
-    master, stage = slot.master, slot.weight_stage
-    native = _native_kernel(master, slot.grad, stage, group["amsgrad"])
-    return (
-        native is not None and native.can_step_many and master.numel() > 0
-        and master.numel() % native.align(master.dtype) == 0
-        and all(t.is_contiguous() for t in (master, slot.grad) + ((stage,) if stage is not None else ()))
-    )
+    if group["amsgrad"] or not USE_NATIVE:
+        return False
+    if slot.native_whole is None:  # a slot's buffers never change: work it out once
+        master, stage = slot.master, slot.weight_stage
+        native = _native_kernel(master, slot.grad, stage, False)
+        slot.native_whole = (
+            native is not None and native.can_step_many and master.numel() > 0
+            and master.numel() % native.align(master.dtype) == 0
+            and all(t.is_contiguous() for t in (master, slot.grad) + ((stage,) if stage is not None else ()))
+        )
+    return slot.native_whole
 
 
 def _fused_adam_many(
@@ -138,23 +142,35 @@ def _fused_adam_many(
     (hundreds of LoRA adapters: per-slot Python and a thread team per call would dwarf the
     arithmetic; for one slot, two torch calls instead of its views and step arithmetic)."""
     states = [_adam_state(optimizer, slot, False) for slot in slots]
-    if not all(st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous() for st in states):
-        for slot in slots:  # e.g. state loaded with another layout
-            _fused_adam_update(optimizer, group, slot, grad_scale)
-        return
+    tensors = [[slot.master for slot in slots], [slot.grad for slot in slots],
+               [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]]
+    if slots[0].weight_stage is not None:
+        tensors.append([slot.weight_stage for slot in slots])
     step_counts = [st["step"] for st in states]
+    steps = torch.stack(step_counts).tolist()  # (before this update)
+    # Back to back in host memory (as the arena and allocate_moments lay slots out) and at
+    # one step count: the batch is one tensor to the kernel, which updates each element
+    # on its own; every slot is a whole number of its vectors, so each element takes the
+    # same instructions as in a call per slot.
+    spans = [back_to_back(x) for x in tensors] if len(set(steps)) == 1 else None
+    if spans is None or any(span is None for span in spans):
+        spans = None
+        if not all(st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous() for st in states):
+            for slot in slots:  # e.g. state loaded with another layout
+                _fused_adam_update(optimizer, group, slot, grad_scale)
+            return
     torch._foreach_add_(step_counts, 1)  # as each slot's state["step"] += 1
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     beta1, beta2 = group["betas"]
-    stages = [slot.weight_stage for slot in slots]
-    native_adam.kernel().step_many(
-        [slot.master for slot in slots], [slot.grad for slot in slots],
-        [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
-        None if stages[0] is None else stages, torch.stack(step_counts).tolist(),
-        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-        weight_decay=group["weight_decay"], eps=group["eps"], adamw=decoupled,
-        maximize=group["maximize"], grad_scale=grad_scale, num_threads=torch.get_num_threads(),
-    )
+    hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                 weight_decay=group["weight_decay"], eps=group["eps"], adamw=decoupled,
+                 maximize=group["maximize"], grad_scale=grad_scale, num_threads=torch.get_num_threads())
+    native = native_adam.kernel()
+    if spans is not None:
+        native.step(*spans[:4], spans[4] if len(spans) > 4 else None, step=step_counts[0].item(), **hyper)
+    else:
+        native.step_many(*tensors[:4], tensors[4] if len(tensors) > 4 else None,
+                         torch.stack(step_counts).tolist(), **hyper)
 
 
 def update_slots(

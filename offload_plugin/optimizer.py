@@ -457,16 +457,16 @@ class CPUOffloadOptimizer(Optimizer):
             extremes=plan is not None and plan.check_each, add_in_worker=plan is None,
         )
         if plan is not None:
-            self._submit(plan, slot)
+            self._submit(plan, [slot])
         elif norms is not None and not first:  # an accumulated sum: scaled and normed on the host
             norms.batch.add(slot, slot.grad.numel())
         elif self._overlap is not None and self._overlap.schedule == "delayed":
             delayed.release_for_push(self, slot)
 
-    def _submit(self, plan: StepPlan, slot: HostSlot) -> None:
+    def _submit(self, plan: StepPlan, slots: list[HostSlot]) -> None:
         if not plan.submitted:  # the step's first update: nothing has read a master yet
             self._adopt_changed_weights()
-        self._updates.submit(plan, slot)
+        self._updates.submit(plan, slots)
 
     def _settled_host_grads(self) -> list[HostSlot]:
         """offload_gradients: every gradient complete on the host (a ``.grad`` set on the

@@ -2,7 +2,9 @@
 
 On CUDA, gradients go to the host on one side stream and weights come back on another,
 so both directions overlap compute and each other; within a direction copies run in the
-order they were issued. Copies to the device are issued through the CUDA runtime that
+order they were issued. Small tensors whose host buffers lie back to back (as the arena
+hands them out) travel packed: one copy per run instead of one per tensor (see
+:func:`packed_runs`). Copies to the device are issued through the CUDA runtime that
 torch loaded, with the GIL held (see _CudaRuntime). Each copy first waits for the work
 already queued on the compute stream, so it sees whatever the recipe did to ``.grad`` or
 the weights before it. Host buffers are reused only after the host has waited for the
@@ -19,9 +21,51 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-__all__ = ["Transfers", "min_max_into"]
+from offload_plugin.host_buffers import back_to_back
+
+__all__ = ["Transfers", "min_max_into", "packed_runs"]
 
 _H2D = 1  # cudaMemcpyHostToDevice
+
+# Tensors up to this size travel packed with their neighbours. Issuing a copy costs the
+# host 5-15 us, as long as the DMA of ~256 KiB; a few hundred LoRA adapters copied one by
+# one cost a step more than their update (bench/step_overhead.py). Larger tensors keep a
+# copy of their own, so that each update can start as soon as its gradient lands.
+PACK_MAX_BYTES = 1 << 20
+
+
+def packed_runs(pairs: list, host: int) -> list[tuple[list, Optional[torch.Tensor]]]:
+    """``pairs`` (host tensor at index ``host``, device tensor at the other) split in issue
+    order into runs copied packed, each with a 1-D tensor over its host side, and pairs
+    copied alone (with None). A run holds two or more small pairs (up to PACK_MAX_BYTES
+    each) whose device tensors are contiguous with the host tensors' dtype and numel and
+    whose host tensors lie back to back in one storage."""
+    out: list = []
+    run: list = []
+
+    def close() -> None:
+        span = back_to_back([p[host] for p in run]) if len(run) > 1 else None
+        if span is not None:
+            out.append((run, span))
+        else:
+            out.extend(([p], None) for p in run)
+
+    for pair in pairs:
+        h, d = pair[host], pair[1 - host]
+        small = (h.numel() * h.element_size() <= PACK_MAX_BYTES and d.dtype == h.dtype
+                 and d.numel() == h.numel() and d.is_contiguous() and h.device.type == "cpu")
+        if not small:
+            close()
+            out.append(([pair], None))
+            run = []
+            continue
+        if run and (h.dtype != run[-1][host].dtype
+                    or h.data_ptr() != run[-1][host].data_ptr() + run[-1][host].numel() * h.element_size()):
+            close()
+            run = []
+        run.append(pair)
+    close()
+    return out
 
 
 class _CudaRuntime:
@@ -100,6 +144,8 @@ class Transfers:
         device (torch.device): the device the parameters live on.
     """
 
+    _completed = None  # the event wait() last saw complete
+
     def __init__(self, device: torch.device) -> None:
         self.is_async = device.type == "cuda"
         if self.is_async and device.index is None:
@@ -109,6 +155,7 @@ class Transfers:
         self.h2d = torch.cuda.Stream(device) if self.is_async else None
         self._runtime = _CudaRuntime.load() if self.is_async else None
         self._h2d_waits_for = None  # the `after` event the h2d stream already waits for
+        self._device_stage: dict = {}  # dtype -> device buffer that packed runs land in
 
     def _compute_stream(self):
         return torch.cuda.current_stream(self.device)
@@ -134,15 +181,25 @@ class Transfers:
             for src, dst in pairs:
                 dst.copy_(src)
             return None
+        runs = packed_runs(pairs, host=1) if len(pairs) > 1 else [(pairs, None)]
+        # A run is packed on the compute stream, where its sources were written: the
+        # sources need no record_stream, and the packed copy is read by the side stream.
+        packed = [torch._utils._flatten_dense_tensors([src for src, _ in run]) if span is not None else None
+                  for run, span in runs]
         self.d2h.wait_stream(self._compute_stream())
         with torch.cuda.stream(self.d2h):
             if before is not None:
                 before(pairs[0][0])
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
-                # The caching allocator would otherwise hand src's memory to the compute
-                # stream as soon as the caller drops it, while this copy still reads it.
-                src.record_stream(self.d2h)
+            for (run, span), flat in zip(runs, packed):
+                if span is not None:
+                    span.copy_(flat, non_blocking=True)
+                    flat.record_stream(self.d2h)
+                    continue
+                for src, dst in run:
+                    dst.copy_(src, non_blocking=True)
+                    # The caching allocator would otherwise hand src's memory to the compute
+                    # stream as soon as the caller drops it, while this copy still reads it.
+                    src.record_stream(self.d2h)
             event = torch.cuda.Event()
             event.record(self.d2h)
         return event
@@ -170,16 +227,36 @@ class Transfers:
             self.h2d.wait_event(after)
             self._h2d_waits_for = after
         pairs = list(pairs)
-        if self._runtime is not None and all(_plain_pair(src, dst) for src, dst in pairs):
-            self._runtime.copy_to_device(pairs, self.device.index, self.h2d.cuda_stream)
-        else:
-            # Through ``.data``, like the runtime's copies: legal on a leaf that requires grad
-            # in any thread's grad mode, and the parameter's version counter stays for
-            # changes made outside the optimizer (see weight_sync).
-            with torch.cuda.stream(self.h2d):
-                for src, dst in pairs:
-                    dst.data.copy_(src, non_blocking=True)
+        for run, span in packed_runs(pairs, host=0) if len(pairs) > 1 else [(pairs, None)]:
+            if span is not None:
+                self._to_device_packed(run, span)
+            elif self._runtime is not None and all(_plain_pair(src, dst) for src, dst in run):
+                self._runtime.copy_to_device(run, self.device.index, self.h2d.cuda_stream)
+            else:
+                # Through ``.data``, like the runtime's copies: legal on a leaf that requires
+                # grad in any thread's grad mode, and the parameter's version counter stays
+                # for changes made outside the optimizer (see weight_sync).
+                with torch.cuda.stream(self.h2d):
+                    for src, dst in run:
+                        dst.data.copy_(src, non_blocking=True)
         return self.h2d.record_event()
+
+    def _to_device_packed(self, run: list, span: torch.Tensor) -> None:
+        """One copy of ``span`` (the run's host sources, back to back) into a device buffer,
+        then one multi-tensor copy from it into each destination, all on the h2d stream:
+        the next run's copy into the buffer waits for this one's reads by stream order."""
+        stage = self._device_stage.get(span.dtype)
+        with torch.cuda.stream(self.h2d):  # (so its memory is the h2d stream's own)
+            if stage is None or stage.numel() < span.numel():
+                stage = torch.empty(span.numel(), dtype=span.dtype, device=self.device)
+                self._device_stage[span.dtype] = stage
+            stage = stage[:span.numel()]
+            if self._runtime is not None:
+                self._runtime.copy_to_device([(span, stage)], self.device.index, self.h2d.cuda_stream)
+            else:
+                stage.copy_(span, non_blocking=True)
+            dsts = [dst.data for _, dst in run]  # (.data: as above)
+            torch._foreach_copy_(dsts, torch._utils._unflatten_dense_tensors(stage, dsts))
 
     def mark_compute(self) -> Optional[object]:
         """An event after the work queued on the compute stream so far (None if synchronous)."""
@@ -203,9 +280,13 @@ class Transfers:
     def wait(event: Optional[object]) -> None:
         """Block the host until ``event`` (from to_host/to_device) has completed."""
         # query() keeps the GIL; synchronize() gives it up and must win it back from a
-        # training thread launching kernels, even for a copy that landed long ago.
-        if event is not None and not event.query():
+        # training thread launching kernels, even for a copy that landed long ago. The
+        # slots of a batch share one event: once it has completed, skip even the query.
+        if event is None or event is Transfers._completed:
+            return
+        if not event.query():
             event.synchronize()
+        Transfers._completed = event  # (events are recorded once: it stays completed)
 
 
 def min_max_into(device_buf: torch.Tensor, host_buf: torch.Tensor, src: torch.Tensor) -> None:

@@ -46,8 +46,10 @@ class StepPlan:
     todo_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     queued_numel: int = 0
     batch_numel: int = dataclasses.field(default_factory=lambda: host_worker.BATCH_NUMEL)
-    # early_forward: per parameter (by id), set once its weight is sent, and its copy's event.
-    ready: dict = dataclasses.field(default_factory=dict)
+    # early_forward: ids of the parameters whose weight is sent (waited on with `sent`,
+    # one condition for the whole plan), and each one's copy event.
+    sent_ids: set = dataclasses.field(default_factory=set)
+    sent: threading.Condition = dataclasses.field(default_factory=threading.Condition)
     pushed: dict = dataclasses.field(default_factory=dict)
     newest_first: bool = False  # during backward, update the gradient that landed last first
     landed_first: bool = False  # after step() returned: forward order, landed gradients first
@@ -99,16 +101,17 @@ class Updates:
             inner.update(values)
 
     # ------------------------------------------------------------------ submitting
-    def submit(self, plan: StepPlan, slot: HostSlot) -> None:
-        """Queue ``slot``'s update (small slots go to the worker several at a time)."""
-        plan.submitted.add(slot.master)
+    def submit(self, plan: StepPlan, slots: list[HostSlot]) -> None:
+        """Queue the updates of ``slots`` (small slots go to the worker several at a time)."""
+        plan.submitted.update(slot.master for slot in slots)
+        jobs = 0
         with plan.todo_lock:
-            plan.todo.append(slot)
-            plan.queued_numel += slot.master.numel()
-            full = plan.queued_numel >= plan.batch_numel
-            if full:
-                plan.queued_numel = 0
-        if full:
+            plan.todo.extend(slots)
+            for slot in slots:
+                plan.queued_numel += slot.master.numel()
+                if plan.queued_numel >= plan.batch_numel:
+                    plan.queued_numel, jobs = 0, jobs + 1
+        for _ in range(jobs):
             self.worker.submit(partial(self._update_next, plan))
 
     def flush(self, plan: Optional[StepPlan]) -> None:
@@ -171,14 +174,16 @@ class Updates:
         try:
             self._update_and_push(plan, slots)
         finally:  # even on failure: a forward waiting for these must not hang (it raises)
-            for slot in slots:
-                plan.ready.setdefault(id(slot.param), threading.Event()).set()
+            with plan.sent:
+                plan.sent_ids.update(id(slot.param) for slot in slots)
+                plan.sent.notify_all()
 
     def _update_and_push(self, plan: StepPlan, slots: list[HostSlot]) -> None:
         trace = self.worker.trace
         start_job = time.perf_counter() if trace is not None else 0.0
         finite = []
-        for slot in slots:
+        # In the order of their host buffers: neighbours update and travel packed.
+        for slot in sorted(slots, key=lambda s: s.order):
             start = time.perf_counter()
             self.grads.settle(slot)
             self.worker.waited_s += time.perf_counter() - start

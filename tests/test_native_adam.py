@@ -13,7 +13,7 @@ import torch
 
 import offload_plugin.host_update as host_update
 from offload_plugin import native_adam
-from offload_plugin.host_buffers import HostSlot
+from offload_plugin.host_buffers import HostSlot, allocate_moments
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None,
@@ -346,15 +346,28 @@ def test_check_that_fails_verification_is_not_used(fresh_kernel_state, monkeypat
         kernel.finite(torch.ones(10), 1)
 
 
-def _run_many(sizes, adamw, grad_scale, native, master_weights, steps=3, seed=0):
+def _run_many(sizes, adamw, grad_scale, native, master_weights, steps=3, seed=0, packed=False,
+              late_joiner=True):
     """update_slots over several parameters at once (two param groups, sizes that do and do
-    not fit one native call, a parameter that joins a step late); returns every tensor."""
+    not fit one native call, a parameter that joins a step late); returns every tensor.
+    ``packed``: every buffer is a view of one block per kind, back to back, as the arena and
+    allocate_moments lay them out."""
     gen = torch.Generator().manual_seed(seed)
     dtype = torch.float32 if master_weights else torch.bfloat16
     masters = [(torch.randn(n, generator=gen) * 3).to(dtype) for n in sizes]
-    slots = [HostSlot(param=torch.zeros(1), master=m, grad=torch.empty(m.numel(), dtype=torch.bfloat16),
-                      weight_stage=torch.empty(m.numel(), dtype=torch.bfloat16) if master_weights else None)
-             for m in masters]
+
+    def buffers(dt):
+        if packed:
+            return list(torch.empty(sum(sizes), dtype=dt).split(sizes))
+        return [torch.empty(n, dtype=dt) for n in sizes]
+
+    if packed:
+        masters = [dst.copy_(m) for dst, m in zip(buffers(dtype), masters)]
+    grads, stages = buffers(torch.bfloat16), buffers(torch.bfloat16)
+    slots = [HostSlot(param=torch.zeros(1), master=m, grad=g, weight_stage=st if master_weights else None)
+             for m, g, st in zip(masters, grads, stages)]
+    if packed:
+        allocate_moments(slots)
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     half = len(masters) // 2
     opt = cls([{"params": masters[:half]}, {"params": masters[half:], "lr": 3e-3, "betas": (0.5, 0.9)}],
@@ -366,7 +379,7 @@ def _run_many(sizes, adamw, grad_scale, native, master_weights, steps=3, seed=0)
             for slot in slots:
                 slot.grad.copy_(torch.randn(slot.grad.numel(), generator=gen))
             # The last parameter skips the first step: its step count then differs.
-            host_update.update_slots(opt, groups, slots if k else slots[:-1], grad_scale)
+            host_update.update_slots(opt, groups, slots if k or not late_joiner else slots[:-1], grad_scale)
     finally:
         host_update.USE_NATIVE = True
     out = []
@@ -394,6 +407,32 @@ def test_many_parameters_in_one_native_call_are_bitwise_torch_fused(adamw, grad_
     got = _run_many(sizes, adamw, grad_scale, native=True, master_weights=master_weights)
     assert calls and max(calls) >= 2, calls  # several parameters per call
     want = _run_many(sizes, adamw, grad_scale, native=False, master_weights=master_weights)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"parameter {k // 5}, tensor {k % 5} differs"
+
+
+@needs_compiler
+@pytest.mark.parametrize("master_weights", [True, False], ids=["fp32-master", "bf16-no-master"])
+@pytest.mark.parametrize("late_joiner", [False, True], ids=["one-step-count", "step-counts-differ"])
+def test_back_to_back_parameters_update_in_one_call_bitwise_torch_fused(master_weights, late_joiner,
+                                                                       monkeypatch):
+    """Parameters whose buffers lie back to back (the arena's layout) at one step count are
+    one tensor to the kernel: one step() call per group, bit for bit torch's fused kernel on
+    each parameter. Step counts that differ take step_many, with the same values."""
+    calls = []
+    kernel = native_adam.kernel()
+    for name in ("step", "step_many"):
+        real = getattr(type(kernel), name)
+        monkeypatch.setattr(type(kernel), name, lambda self, *a, _real=real, _name=name, **k:
+                            calls.append(_name) or _real(self, *a, **k))
+    sizes = [64, 128, 64 * 1100, 64, 4096, 64 * 3, 64 * 2000]
+    got = _run_many(sizes, True, 1 / 64, native=True, master_weights=master_weights, packed=True,
+                    late_joiner=late_joiner)
+    # Three steps of two groups; with a late joiner, its group's later steps take step_many.
+    assert calls.count("step") == (6 if not late_joiner else 4), calls
+    assert calls.count("step_many") == (0 if not late_joiner else 2), calls
+    want = _run_many(sizes, True, 1 / 64, native=False, master_weights=master_weights, packed=True,
+                     late_joiner=late_joiner)
     for k, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"parameter {k // 5}, tensor {k % 5} differs"
 

@@ -35,11 +35,14 @@ def start(opt) -> Optional[StepPlan]:
 
 def submit_the_rest(opt, plan: StepPlan) -> None:
     """Hand every slot with a gradient not yet submitted to the worker."""
+    rest = []
     for slot in opt._slots.in_order(opt._params()):
         if opt.offload_gradients and slot.param.grad is not None:
             opt._offload_grad(slot.param)  # set by hand; offloading submits it
         elif slot.has_grad and slot.master not in plan.submitted:
-            opt._submit(plan, slot)
+            rest.append(slot)
+    if rest:
+        opt._submit(plan, rest)
 
 
 def step_on_device(opt, plan: StepPlan) -> None:

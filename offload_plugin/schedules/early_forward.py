@@ -16,7 +16,6 @@ weights makes the finish raise.
 
 from __future__ import annotations
 
-import threading
 from functools import partial
 from typing import Any
 
@@ -52,10 +51,9 @@ def _gate(opt, module: torch.nn.Module, args: Any) -> None:
         if slot is None or slot.param is not param:  # (ids of dead tensors are reused)
             continue
         del plan.gates[id(param)]
-        ready = plan.ready.setdefault(id(param), threading.Event())
-        while not ready.wait(0.05):
-            if opt._worker.failed:
-                break
+        with plan.sent:
+            while id(param) not in plan.sent_ids and not opt._worker.failed:
+                plan.sent.wait(0.05)
         if opt._worker.failed:
             finish(opt)  # raises the worker's error here
         opt._transfers.order_compute_after(plan.pushed.get(id(param)))

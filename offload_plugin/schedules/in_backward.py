@@ -35,7 +35,7 @@ def step(opt) -> None:
         if slot.param.grad is not None:
             opt._grads.offload(slot, extremes=True, add_in_worker=False)
         if slot.has_grad and slot.master not in plan.submitted:
-            opt._submit(plan, slot)
+            opt._submit(plan, [slot])
     opt._updates.flush(plan)
     after_backward.step_on_device(opt, plan)
     if not opt._in_backward:  # the first of this backward: finish when it ends

@@ -1,0 +1,69 @@
+"""Small tensors whose host buffers lie back to back travel packed: one copy per run.
+
+Which pairs form a run is decided on the CPU (``packed_runs``); the copies themselves need
+a GPU: a run packed on the way out must land in each host buffer as separate copies would,
+after the work queued on the gradients, and a run sent back must reach every parameter
+without moving its version counter.
+"""
+
+import pytest
+import torch
+
+from offload_plugin.host_buffers import back_to_back
+from offload_plugin.transfer import PACK_MAX_BYTES, Transfers, packed_runs
+from reference_twin import CUDA
+
+
+def _block(sizes, dtype=torch.bfloat16):
+    return list(torch.arange(sum(sizes)).to(dtype).split(sizes))
+
+
+def test_back_to_back_views_of_one_block_make_one_span():
+    views = _block([3, 5, 0, 8])
+    span = back_to_back(views)
+    assert span is not None and span.numel() == 16 and span.data_ptr() == views[0].data_ptr()
+    assert back_to_back([views[0], views[3]]) is None  # a gap
+    assert back_to_back([views[1], views[0]]) is None  # out of order
+    other = torch.empty(100, dtype=torch.bfloat16)
+    assert back_to_back([views[0], other]) is None  # another storage
+    assert back_to_back([torch.empty(4, 4)[:, :2]]) is None  # not contiguous
+
+
+def test_runs_hold_small_neighbours_and_leave_the_rest_alone():
+    host = _block([4, 4, 4, 4, 4])
+    big = torch.empty(PACK_MAX_BYTES // 2 + 1, dtype=torch.bfloat16)  # over the limit in bytes
+    dev = [torch.empty(4, dtype=torch.bfloat16) for _ in range(5)]
+    pairs = [(host[0], dev[0]), (host[1], dev[1]), (big, torch.empty_like(big)),
+             (host[2], dev[2]), (host[4], dev[4]),  # host[3] skipped: a gap
+             (host[3], dev[3].float())]  # another dtype on the device side
+    runs = packed_runs(pairs, host=0)
+    shapes = [(len(run), span is not None) for run, span in runs]
+    assert shapes == [(2, True), (1, False), (1, False), (1, False), (1, False)], shapes
+    assert [p for run, _ in runs for p in run] == pairs  # issue order kept
+    # The other direction: the host tensor is the second of each pair.
+    runs = packed_runs([(d, h) for h, d in pairs[:2]], host=1)
+    assert len(runs) == 1 and runs[0][1].numel() == 8
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_runs_on_the_gpu_land_as_separate_copies_would(dtype):
+    """Gradients out (after work queued on them), weights back (version counters kept)."""
+    sizes = [1, 7, 4096, 64, 100_003, 3]
+    transfers = Transfers(torch.device("cuda"))
+    host = list(torch.zeros(sum(sizes), dtype=dtype).pin_memory().split(sizes))
+    grads = [torch.randn(n, device="cuda").to(dtype) for n in sizes]
+    want = [(g * 3).cpu() for g in grads]
+    torch.cuda._sleep(100_000_000)  # the copy must wait for the multiply queued after this
+    for g in grads:
+        g.mul_(3)
+    Transfers.wait(transfers.to_host(list(zip(grads, host))))
+    for h, w in zip(host, want):
+        assert torch.equal(h, w)
+    params = [torch.nn.Parameter(torch.zeros(n, device="cuda", dtype=dtype)) for n in sizes]
+    versions = [p._version for p in params]
+    for h in host:
+        h.add_(1)
+    transfers.order_compute_after(transfers.to_device([(h, p) for h, p in zip(host, params)]))
+    for p, h, v in zip(params, host, versions):
+        assert torch.equal(p.detach().cpu(), h) and p._version == v
