@@ -33,6 +33,12 @@ _H2D = 1  # cudaMemcpyHostToDevice
 # copy of their own, so that each update can start as soon as its gradient lands.
 PACK_MAX_BYTES = 1 << 20
 
+# The event Transfers.wait last saw complete. Not a class attribute: replacing one frees the
+# old event, whose deallocation gives up the GIL before the class's attribute cache is
+# invalidated, and another thread reading the attribute then got the freed object (a
+# segfault on the GPU machine). A list item is replaced before the old one is released.
+_last_completed: list = [None]
+
 
 def packed_runs(pairs: list, host: int) -> list[tuple[list, Optional[torch.Tensor]]]:
     """``pairs`` (host tensor at index ``host``, device tensor at the other) split in issue
@@ -143,8 +149,6 @@ class Transfers:
     Args:
         device (torch.device): the device the parameters live on.
     """
-
-    _completed = None  # the event wait() last saw complete
 
     def __init__(self, device: torch.device) -> None:
         self.is_async = device.type == "cuda"
@@ -282,11 +286,11 @@ class Transfers:
         # query() keeps the GIL; synchronize() gives it up and must win it back from a
         # training thread launching kernels, even for a copy that landed long ago. The
         # slots of a batch share one event: once it has completed, skip even the query.
-        if event is None or event is Transfers._completed:
+        if event is None or event is _last_completed[0]:
             return
         if not event.query():
             event.synchronize()
-        Transfers._completed = event  # (events are recorded once: it stays completed)
+        _last_completed[0] = event  # (events are recorded once: it stays completed)
 
 
 def min_max_into(device_buf: torch.Tensor, host_buf: torch.Tensor, src: torch.Tensor) -> None:
