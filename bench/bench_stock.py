@@ -19,12 +19,14 @@ import datetime
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = {  # model -> (torchtune builder, stock full config, stock QLoRA config, our full config)
+MODELS = {  # model -> (torchtune builder, stock full config, stock QLoRA config, our full config,
+    #            our QLoRA config); the checkpoint's files are as the configs name them (SHARDS)
     "1b": ("torchtune.models.llama3_2.llama3_2_1b", "llama3_2/1B_full_single_device",
            "llama3_2/1B_qlora_single_device", "configs/llama3_2/1B_full_offload_single_device.yaml",
            "configs/llama3_2/1B_qlora_offload_single_device.yaml"),
@@ -32,6 +34,7 @@ MODELS = {  # model -> (torchtune builder, stock full config, stock QLoRA config
            "llama3_1/8B_qlora_single_device", "configs/llama3_1/8B_full_offload_single_device.yaml",
            "configs/llama3_1/8B_qlora_offload_single_device.yaml"),
 }
+SHARDS = {"1b": 1, "8b": 4}  # safetensors files the configs' checkpointer lists
 OURS = "optimizer._component_=offload_plugin.CPUOffloadOptimizer"
 ACCUM_CLIP = ["gradient_accumulation_steps=2", "clip_grad_norm=1.0"]
 # name -> (recipe: "stock" or "ours", overrides). Stock full configs ship PagedAdamW8bit with
@@ -73,6 +76,12 @@ LAUNCH = (  # tune in this process, so that its peak RSS is the recipe's
 )
 
 
+def run_dir(args, name: str) -> Path:
+    """Where one run writes: its own per job and model (torchtune's DiskLogger appends to
+    log.txt, so a run in a reused folder would be read with the steps of an earlier one)."""
+    return args.work / f"{args.job}-{args.model}" / name
+
+
 def command(args, name: str) -> list[str]:
     builder, stock_full, stock_qlora, ours_full, ours_qlora = MODELS[args.model]
     recipe, overrides = RUNS[args.job][name]
@@ -82,7 +91,7 @@ def command(args, name: str) -> list[str]:
     else:
         script = "full_finetune_single_device.py" if args.job == "full" else "lora_finetune_single_device.py"
         target = [f"offload_plugin/recipes/{script}", "--config", ours_full if args.job == "full" else ours_qlora]
-    out = args.work / name
+    out = run_dir(args, name)
     data = args.work / "demo" / "alpaca_tiny.json"
     common = [
         f"checkpointer.checkpoint_dir={args.checkpoint}",
@@ -140,14 +149,16 @@ def main() -> None:
                         "--output-dir", str(args.work / "demo")], check=True, env=env, cwd=REPO)
     if not (args.checkpoint / "original" / "tokenizer.model").exists():
         subprocess.run([sys.executable, str(REPO / "bench" / "random_checkpoint.py"), "--model",
-                        MODELS[args.model][0], "--output-dir", str(args.checkpoint)], check=True, env=env)
+                        MODELS[args.model][0], "--output-dir", str(args.checkpoint),
+                        "--shards", str(SHARDS[args.model])], check=True, env=env)
     results = {}
     for name in names:
         cmd = command(args, name)
         print(f"== {name}: tune {' '.join(cmd[3:])}", flush=True)
+        shutil.rmtree(run_dir(args, name) / "logs", ignore_errors=True)  # (see run_dir)
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.timeout)
-            res = parse(args.work / name, proc.stdout, args.warmup) if proc.returncode == 0 else {
+            res = parse(run_dir(args, name), proc.stdout, args.warmup) if proc.returncode == 0 else {
                 "error": (proc.stdout + proc.stderr)[-1500:]}
         except subprocess.TimeoutExpired:
             res = {"error": f"timed out after {args.timeout} s"}
