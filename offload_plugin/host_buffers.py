@@ -341,20 +341,21 @@ def back_to_back(tensors: list) -> Optional[torch.Tensor]:
     other in one storage in this order (as ``HostArena.allocate`` hands out its views);
     else None. Empty tensors occupy nothing (and may report a null pointer)."""
     dtype = tensors[0].dtype
-    held = [t for t in tensors if t.numel() > 0]
-    if not held or any(t.dtype != dtype for t in tensors):
-        return None
-    first = held[0]
-    itemsize = first.element_size()
-    base = first.data_ptr() - first.storage_offset() * itemsize  # the storage's start
-    end, numel = first.data_ptr(), 0
-    for t in held:
-        if (t.data_ptr() != end or not t.is_contiguous()
-                or t.data_ptr() - t.storage_offset() * itemsize != base):
+    first, numel, end, base = None, 0, 0, 0
+    for t in tensors:  # (each tensor asked each thing once: this runs at every step)
+        n = t.numel()
+        if t.dtype != dtype:
             return None
-        end += t.numel() * itemsize
-        numel += t.numel()
-    return first.as_strided((numel,), (1,))
+        if n == 0:
+            continue
+        size, ptr = t.element_size(), t.data_ptr()
+        start = ptr - t.storage_offset() * size  # the first byte of its storage
+        if first is None:
+            first, end, base = t, ptr, start
+        if ptr != end or start != base or not t.is_contiguous():
+            return None
+        numel, end = numel + n, ptr + n * size
+    return first.as_strided((numel,), (1,)) if first is not None else None
 
 
 def _span(views: list[torch.Tensor]) -> torch.Tensor:

@@ -21,8 +21,6 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
-from offload_plugin.host_buffers import back_to_back
-
 __all__ = ["Transfers", "min_max_into", "packed_runs"]
 
 _H2D = 1  # cudaMemcpyHostToDevice
@@ -45,31 +43,35 @@ def packed_runs(pairs: list, host: int) -> list[tuple[list, Optional[torch.Tenso
     order into runs copied packed, each with a 1-D tensor over its host side, and pairs
     copied alone (with None). A run holds two or more small pairs (up to PACK_MAX_BYTES
     each) whose device tensors are contiguous with the host tensors' dtype and numel and
-    whose host tensors lie back to back in one storage."""
+    whose host tensors are contiguous and lie back to back in one storage."""
     out: list = []
     run: list = []
+    numel = end = base = 0
+    dtype = None
 
     def close() -> None:
-        span = back_to_back([p[host] for p in run]) if len(run) > 1 else None
-        if span is not None:
-            out.append((run, span))
+        if len(run) > 1:
+            out.append((run, run[0][host].as_strided((numel,), (1,))))
         else:
             out.extend(([p], None) for p in run)
 
+    # One pass, each tensor asked each thing once: this runs at every step for every
+    # gradient and weight (a few hundred LoRA adapters).
     for pair in pairs:
         h, d = pair[host], pair[1 - host]
-        small = (h.numel() * h.element_size() <= PACK_MAX_BYTES and d.dtype == h.dtype
-                 and d.numel() == h.numel() and d.is_contiguous() and h.device.type == "cpu")
-        if not small:
+        n, size, ptr = h.numel(), h.element_size(), h.data_ptr()
+        if not (0 < n * size <= PACK_MAX_BYTES and h.dtype == d.dtype and n == d.numel()
+                and h.is_contiguous() and d.is_contiguous() and not h.is_cuda):
             close()
             out.append(([pair], None))
             run = []
             continue
-        if run and (h.dtype != run[-1][host].dtype
-                    or h.data_ptr() != run[-1][host].data_ptr() + run[-1][host].numel() * h.element_size()):
+        start = ptr - h.storage_offset() * size  # the first byte of its storage
+        if not run or ptr != end or h.dtype != dtype or start != base:
             close()
-            run = []
+            run, numel, dtype, base = [], 0, h.dtype, start
         run.append(pair)
+        numel, end = numel + n, ptr + n * size
     close()
     return out
 

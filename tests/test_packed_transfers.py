@@ -40,6 +40,8 @@ def test_runs_hold_small_neighbours_and_leave_the_rest_alone():
     shapes = [(len(run), span is not None) for run, span in runs]
     assert shapes == [(2, True), (1, False), (1, False), (1, False), (1, False)], shapes
     assert [p for run, _ in runs for p in run] == pairs  # issue order kept
+    strided = torch.empty(4, 2, dtype=torch.bfloat16).t()  # not contiguous: alone
+    assert [len(run) for run, _ in packed_runs([(host[0], dev[0]), (strided, strided.clone())], host=0)] == [1, 1]
     # The other direction: the host tensor is the second of each pair.
     runs = packed_runs([(d, h) for h, d in pairs[:2]], host=1)
     assert len(runs) == 1 and runs[0][1].numel() == 8
