@@ -255,7 +255,10 @@ def _check_entry(
     if own_check is not None and entry:
         if MASTER_KEY in entry:
             raise ValueError(f"{where} has a {MASTER_KEY!r}, which {cls.__name__} does not keep.")
-        return own_check(where, dict(entry), target, group), None
+        # This rank's part of each value (DTensors, or full values of a sharded parameter).
+        local = {k: distributed.to_local_value(v, param, rows_only=True) if isinstance(v, torch.Tensor) else v
+                 for k, v in entry.items()}
+        return own_check(where, local, target, group), None
     rules = _STATE_KEYS.get(cls)
     keys = set(entry) - {MASTER_KEY}
     if rules is not None and keys:
@@ -496,6 +499,15 @@ def _shard_state(index: int, slot: HostSlot, entry: dict[str, Any]) -> dict[str,
     out = {}
     for key, value in entry.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if value.dtype == torch.int16:
+                # (CompactAdamW's remainders) NCCL and gloo have no 16-bit integers, so a
+                # gathered (full_state_dict) checkpoint could not hold them: the same bits
+                # travel as bf16, which the optimizer's own check reads back as int16.
+                value = value.view(torch.bfloat16)
+            if value.shape != shard and len(shard) > 0 and value.shape[0] == shard[0]:
+                # Kept per row of the shard (CompactAdamW's block scales): sharded by rows.
+                out[key] = distributed.shard_like(value, slot.param, rows_only=True)
+                continue
             if value.shape != shard:
                 raise ValueError(
                     f"state {index}[{key!r}] has shape {tuple(value.shape)}, but its "

@@ -15,7 +15,11 @@ master rounded to nearest with ties away from zero.
 Each parameter's state entry holds ``step``, ``exp_avg`` and ``exp_avg_sq`` (uint8 codes
 shaped like the parameter), ``exp_avg_absmax`` and ``exp_avg_sq_absmax`` (fp32, one per
 256 elements) and ``remainder`` (int16 shaped like the parameter; absent with
-``master=False``). :func:`to_adamw_state_dict` and :func:`from_adamw_state_dict` convert
+``master=False``). Parameters of fewer than ``min_8bit_size`` elements (4096, as in
+bitsandbytes: norms and biases, a negligible share of the memory) keep exact state
+instead: ``exp_avg`` and ``exp_avg_sq`` in fp32, updated by torch's fused AdamW on the
+fp32 master. Compressing them too made the loss curve drift further from exact AdamW's
+than bitsandbytes' AdamW8bit's (bench/compact_quality.py). :func:`to_adamw_state_dict` and :func:`from_adamw_state_dict` convert
 a whole state dict to and from torch's AdamW layout; a bitsandbytes AdamW8bit (or
 PagedAdamW8bit, torchtune's stock full-finetune optimizer) state dict loads as it is.
 """
@@ -23,6 +27,7 @@ PagedAdamW8bit, torchtune's stock full-finetune optimizer) state dict loads as i
 from __future__ import annotations
 
 import collections
+import math
 from typing import Any, Optional
 
 import torch
@@ -34,6 +39,12 @@ __all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict"]
 
 _CODES = ("exp_avg", "exp_avg_sq")
 _SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
+MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller parameters keep exact state
+
+
+def _is_exact(entry: dict) -> bool:
+    """Whether a (non-empty) state entry is the exact layout: fp32 moments, no block scales."""
+    return _SCALES[0] not in entry
 
 
 class CompactAdamW(Optimizer):
@@ -47,18 +58,21 @@ class CompactAdamW(Optimizer):
         master (bool): keep the 16-bit remainder that makes the weight an exact fp32
             master (2 bytes per parameter). ``False``: the weight alone, plain bf16 AdamW
             with 8-bit moments. Default: ``True``.
+        min_8bit_size (int): parameters with fewer elements keep exact fp32 moments, as in
+            bitsandbytes' AdamW8bit. Default: 4096.
         fused, foreach: accepted for configs written for torch's AdamW; ignored.
     """
 
-    # CPUOffloadOptimizer refuses it with device_fraction and FSDP2 (DTensor) parameters:
-    # its update runs on the host tensors of one process only.
+    # CPUOffloadOptimizer refuses it with device_fraction and with other than bf16
+    # parameters: its update runs on the bf16 host copies only.
     bf16_host_only = True
     # Group keys a checkpoint may lack: bitsandbytes' AdamW8bit has no "master" (its state
     # entries convert, see check_state_entry).
-    optional_group_keys = ("master",)
+    optional_group_keys = ("master", "min_8bit_size")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, master: bool = True,
+                 min_8bit_size: int = MIN_8BIT_SIZE,
                  fused: Optional[bool] = None, foreach: Optional[bool] = None) -> None:
         # fused and foreach are taken (and ignored) so that configs written for torch's
         # AdamW (torchtune's QLoRA configs set fused: True) work unchanged: the update is
@@ -71,14 +85,44 @@ class CompactAdamW(Optimizer):
             raise ValueError(f"Invalid beta parameters: {betas}")
         if not 0.0 <= weight_decay:
             raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size must be a whole number >= 0; got {min_8bit_size!r}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay, master=bool(master)))
+                                      weight_decay=weight_decay, master=bool(master),
+                                      min_8bit_size=min_8bit_size))
         # A weight written by anyone else (new weights loaded) must drop its remainder,
         # which belongs to the old one. CPUOffloadOptimizer says so (weight_replaced); used
         # directly, a weight's version counter tells: the kernel's own writes go through a
         # raw pointer and leave it alone. Only for tensors that own their storage: views
         # (CPUOffloadOptimizer's host copies share blocks) count every write to the block.
         self._versions: dict[int, int] = {}
+        # Tensors that are one rank's rows of a sharded (FSDP2) parameter: id -> its full
+        # shape (see shard_of).
+        self._full_shapes: dict[int, torch.Size] = {}
+
+    def shard_of(self, p: torch.Tensor, full_shape) -> None:
+        """``p`` is this rank's rows (a dim-0 shard, as FSDP2 makes) of a parameter of
+        ``full_shape``; CPUOffloadOptimizer says so for DTensor parameters. Its state is then
+        laid out so that every rank agrees and a checkpoint reshards by rows: compact only if
+        the full parameter is at least ``min_8bit_size`` elements of 2 or more dims whose
+        rows are whole blocks of 256 (then the block scales are kept per row, shaped
+        ``(rows, blocks per row)``), else exact."""
+        self._full_shapes[id(p)] = torch.Size(full_shape)
+
+    def _compact_when_new(self, p: torch.Tensor, group: dict) -> bool:
+        """Whether a parameter without state gets the compact layout (else exact)."""
+        floor = group.get("min_8bit_size", MIN_8BIT_SIZE)
+        full = self._full_shapes.get(id(p))
+        if full is None:
+            return p.numel() >= floor
+        return len(full) >= 2 and math.prod(full) >= floor and math.prod(full[1:]) % compact_adam.BLOCK == 0
+
+    def _scale_shape(self, p: torch.Tensor) -> tuple:
+        """The shape of ``p``'s block scales: per row for a shard, else one flat run."""
+        full = self._full_shapes.get(id(p))
+        if full is None:
+            return (-(-p.numel() // compact_adam.BLOCK),)
+        return (p.shape[0], math.prod(full[1:]) // compact_adam.BLOCK)
 
     @torch.no_grad()
     def step(self, closure=None) -> Optional[Any]:
@@ -93,6 +137,14 @@ class CompactAdamW(Optimizer):
                     continue
                 _check_tensor(p, "parameter")
                 _check_tensor(p.grad, "gradient")
+                exact = self._exact_entry(p, group) is not None
+                if p.numel() == 0:  # an empty shard: nothing to update, the count goes on
+                    self._entry(p, group)["step"] += 1
+                    continue
+                if exact:
+                    self._exact_step(p, group)
+                    self._remember_version(p)
+                    continue
                 state = self._compact(p, group)
                 compact_adam.step_(
                     state, p.grad.view(-1), lr=float(group["lr"]), beta1=float(beta1),
@@ -113,19 +165,60 @@ class CompactAdamW(Optimizer):
         if p._base is None:
             self._versions[id(p)] = p._version
 
+    def _entry(self, p: torch.Tensor, group: dict) -> dict:
+        """``p``'s state entry, made in its layout if it has none yet."""
+        if self._exact_entry(p, group) is None:
+            self._compact(p, group)
+        return self.state[p]
+
+    def _exact_entry(self, p: torch.Tensor, group: dict) -> Optional[dict]:
+        """``p``'s entry if it keeps exact state (made at its first step if it is small)."""
+        entry = self.state[p]
+        if not entry and not self._compact_when_new(p, group):
+            entry.update(step=torch.zeros((), dtype=torch.float32),
+                         exp_avg=torch.zeros(p.shape, dtype=torch.float32),
+                         exp_avg_sq=torch.zeros(p.shape, dtype=torch.float32))
+            if group["master"]:
+                entry["remainder"] = torch.zeros(p.shape, dtype=torch.int16)
+            self._remember_version(p)
+        return entry if entry and _is_exact(entry) else None
+
+    def _exact_step(self, p: torch.Tensor, group: dict) -> None:
+        """torch's fused AdamW on the fp32 master (weight + remainder), then split back."""
+        entry = self.state[p]
+        remainder = entry.get("remainder")
+        if p._base is None and self._versions.get(id(p), p._version) != p._version and remainder is not None:
+            remainder.zero_()  # the weight was replaced: it is the master now
+        master = compact_adam.master_of(p.view(-1), remainder)
+        entry["step"] += 1  # (torch's AdamW counts before its fused kernel)
+        beta1, beta2 = group["betas"]
+        torch._fused_adamw_(
+            [master], [p.grad.reshape(-1).float()], [entry["exp_avg"].view(-1)],
+            [entry["exp_avg_sq"].view(-1)], [], [entry["step"]], amsgrad=False,
+            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
+            grad_scale=None, found_inf=None,
+        )
+        if remainder is None:
+            p.view(-1).copy_(master)  # plain bf16 weight, rounded to nearest
+        else:
+            weight, rest = compact_adam.split_master(master)
+            p.view(-1).copy_(weight)
+            remainder.view(-1).copy_(rest)
+
     def _compact(self, p: torch.Tensor, group: dict) -> compact_adam.CompactAdamState:
         """``p``'s state entry as a CompactAdamState over the same tensors (no copies)."""
         entry = self.state[p]
         if not entry:
             fresh = compact_adam.CompactAdamState.zeros(p.view(-1), master_weights=group["master"])
-            entry.update({k: v.view(p.shape) if v.numel() == p.numel() else v
+            entry.update({k: v.view(self._scale_shape(p)) if k in _SCALES else (v.view(p.shape) if v.dim() else v)
                           for k, v in fresh.state_dict().items()})
             self._remember_version(p)
         remainder = entry.get("remainder")
         state = compact_adam.CompactAdamState(
             weight=p.view(-1), remainder=None if remainder is None else remainder.view(-1),
-            exp_avg=entry["exp_avg"].view(-1), exp_avg_absmax=entry["exp_avg_absmax"],
-            exp_avg_sq=entry["exp_avg_sq"].view(-1), exp_avg_sq_absmax=entry["exp_avg_sq_absmax"],
+            exp_avg=entry["exp_avg"].view(-1), exp_avg_absmax=entry["exp_avg_absmax"].view(-1),
+            exp_avg_sq=entry["exp_avg_sq"].view(-1), exp_avg_sq_absmax=entry["exp_avg_sq_absmax"].view(-1),
             step=int(entry["step"].item()),
         )
         if p._base is None and self._versions.get(id(p), p._version) != p._version:
@@ -148,6 +241,9 @@ class CompactAdamW(Optimizer):
         for index, entry in state_dict["state"].items():
             p = by_index[index]
             self.state[p] = {k: v.detach().to("cpu").clone() for k, v in entry.items()}
+            for key in _SCALES:  # (a shard keeps them per row)
+                if key in self.state[p]:
+                    self.state[p][key] = self.state[p][key].reshape(self._scale_shape(p))
         for saved, group in zip(saved_groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
         # Loaded remainders belong to the weights as they are now (saved together).
@@ -164,19 +260,27 @@ class CompactAdamW(Optimizer):
         if _BNB_STATE in entry or "state1" in entry:
             entry = _from_bnb_entry(where, entry, param, group)
         n, blocks = param.numel(), -(-param.numel() // compact_adam.BLOCK)
-        want = {"step": (None, 1), "exp_avg": (torch.uint8, n), "exp_avg_sq": (torch.uint8, n),
-                "exp_avg_absmax": (torch.float32, blocks), "exp_avg_sq_absmax": (torch.float32, blocks)}
+        moment = entry.get("exp_avg")
+        if _is_exact(entry) and isinstance(moment, torch.Tensor) and moment.is_floating_point():
+            # The exact layout (parameters under min_8bit_size): fp32 moments.
+            want = {"step": (None, 1), "exp_avg": (torch.float32, n), "exp_avg_sq": (torch.float32, n)}
+        else:
+            want = {"step": (None, 1), "exp_avg": (torch.uint8, n), "exp_avg_sq": (torch.uint8, n),
+                    "exp_avg_absmax": (torch.float32, blocks), "exp_avg_sq_absmax": (torch.float32, blocks)}
         if group.get("master", True):
             want["remainder"] = (torch.int16, n)
         if set(entry) != set(want):
             raise ValueError(
                 f"{where} has the keys {sorted(map(str, entry))}: CompactAdamW"
-                f"(master={group.get('master', True)}) keeps {sorted(want)} per parameter. A torch "
-                "AdamW state dict converts with offload_plugin.compact_optimizer.from_adamw_state_dict."
+                f"(master={group.get('master', True)}) keeps {sorted(want)} for this parameter. A "
+                "torch AdamW state dict converts with "
+                "offload_plugin.compact_optimizer.from_adamw_state_dict."
             )
         out = {}
         for key, (dtype, numel) in want.items():
             value = entry[key]
+            if key == "remainder" and isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+                value = value.view(torch.int16)  # its bits, as a sharded checkpoint carries them
             if not isinstance(value, torch.Tensor) or value.numel() != numel or (
                     dtype is not None and value.dtype != dtype):
                 got = (f"{value.dtype} with {value.numel()} elements" if isinstance(value, torch.Tensor)
@@ -186,7 +290,8 @@ class CompactAdamW(Optimizer):
             value = value.detach().to("cpu").clone()
             if dtype is None or dtype == torch.float32:
                 value = value.float()
-                if not bool(torch.isfinite(value).all()) or bool((value < 0).any()):
+                signed = key == "exp_avg"  # (the exact layout's first moment)
+                if not bool(torch.isfinite(value).all()) or (not signed and bool((value < 0).any())):
                     raise ValueError(f"{where} ({key!r}) holds a negative or non-finite value.")
             out[key] = value.reshape(()) if dtype is None else (
                 value.reshape(param.shape) if numel == n else value.reshape(-1))
@@ -200,6 +305,19 @@ def _from_bnb_entry(where: str, entry: dict, param: torch.Tensor, group: dict) -
     """A bitsandbytes (0.50) AdamW8bit state entry as CompactAdamW's: its moments are
     dequantized through its own maps and quantized again with ours; the weight is the
     master (bitsandbytes keeps none). Anything malformed raises ValueError."""
+    quant = entry.get(_BNB_STATE, entry)
+    if isinstance(quant.get("state1"), torch.Tensor) and quant["state1"].is_floating_point():
+        # A parameter it kept in 32 bits (under its min_8bit_size): ours keeps it exact too.
+        try:
+            out = {"step": torch.as_tensor(float(entry["step"])),
+                   "exp_avg": quant["state1"].detach().float().reshape(param.shape),
+                   "exp_avg_sq": quant["state2"].detach().float().reshape(param.shape)}
+        except (KeyError, RuntimeError, TypeError, ValueError) as err:
+            raise ValueError(f"{where} looks like a bitsandbytes AdamW8bit entry but does not "
+                             f"convert: {type(err).__name__}: {err}") from None
+        if group.get("master", True):  # it keeps no master: the weight is the master
+            out["remainder"] = torch.zeros(param.shape, dtype=torch.int16)
+        return out
     try:
         state = compact_adam.from_bnb(param.detach().to(torch.bfloat16), entry,
                                       master_weights=group.get("master", True))
@@ -237,27 +355,41 @@ def to_adamw_state_dict(state_dict: dict, params: list) -> tuple[dict, list]:
         if not entry:
             masters.append(weight.float().view(p.shape))
             continue
-        state = _state_of(entry, weight)
-        master, exact = compact_adam.to_exact(state)
+        if _is_exact(entry):
+            master = compact_adam.master_of(weight, entry.get("remainder"))
+            exact = {k: entry[k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+        else:
+            master, exact = compact_adam.to_exact(_state_of(entry, weight))
         out["state"][index] = {"step": exact["step"], "exp_avg": exact["exp_avg"].view(p.shape),
                                "exp_avg_sq": exact["exp_avg_sq"].view(p.shape)}
         masters.append(master.view(p.shape))
     return out, masters
 
 
-def from_adamw_state_dict(state_dict: dict, params: list, master: bool = True) -> dict:
+def from_adamw_state_dict(state_dict: dict, params: list, master: bool = True,
+                          min_8bit_size: int = MIN_8BIT_SIZE) -> dict:
     """A torch AdamW state dict (with ``master_weight`` entries, as CPUOffloadOptimizer
     saves them with ``master_weights=True``, or without) in CompactAdamW's layout, for
     ``params`` in the state dict's order. Where an entry has a fp32 master, the remainder
     is the master's; the weight the model needs is then the master rounded, which
-    :func:`compact_adam.split_master` gives."""
+    :func:`compact_adam.split_master` gives. Parameters under ``min_8bit_size`` elements
+    keep their moments exactly (as CompactAdamW keeps them)."""
     out = {"state": {}, "param_groups": []}
     for group in state_dict["param_groups"]:
         keep = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "params") if k in group}
-        out["param_groups"].append(keep | {"master": master})
+        out["param_groups"].append(keep | {"master": master, "min_8bit_size": min_8bit_size})
     for index, p in enumerate(params):
         entry = state_dict["state"].get(index)
         if not entry:
+            continue
+        if p.numel() < min_8bit_size:
+            source = entry.get("master_weight", p).detach().reshape(-1).to("cpu", torch.float32)
+            small = {"step": torch.as_tensor(float(entry["step"])),
+                     "exp_avg": entry["exp_avg"].detach().to("cpu", torch.float32).reshape(p.shape).clone(),
+                     "exp_avg_sq": entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(p.shape).clone()}
+            if master:
+                small["remainder"] = compact_adam.split_master(source)[1].view(p.shape)
+            out["state"][index] = small
             continue
         state = compact_adam.from_exact(p, entry["exp_avg"], entry["exp_avg_sq"],
                                         step=int(float(entry["step"])),

@@ -38,6 +38,7 @@ __all__ = [
     "any_rank",
     "global_total_norm",
     "shard_like",
+    "check_rows_sharded",
     "to_local_value",
 ]
 
@@ -191,8 +192,12 @@ def global_total_norm(
     return total
 
 
-def shard_like(host: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def shard_like(host: torch.Tensor, param: torch.Tensor, rows_only: bool = False) -> torch.Tensor:
     """``host`` (shaped like ``param``'s local shard) as a DTensor laid out like ``param``.
+
+    ``rows_only``: ``host`` has the shard's rows (dim 0) but other trailing dims (a state
+    kept per row, such as CompactAdamW's block scales); its global shape is ``param``'s
+    rows by those dims (``param`` must be sharded along dim 0 only: FSDP2's layout).
 
     The global shape and stride are given explicitly: with uneven shards ``from_local``
     would otherwise infer a wrong global shape. The data stays where it is: a host tensor
@@ -201,28 +206,36 @@ def shard_like(host: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(param, DTensor):
         return host
+    shape, stride = param.shape, param.stride()
+    if rows_only:
+        check_rows_sharded(param)
+        shape = torch.Size((param.shape[0], *host.shape[1:]))
+        stride = torch.empty(shape, device="meta").stride()
     mesh = param.device_mesh
     if mesh.device_type == host.device.type:
-        return DTensor.from_local(
-            host, mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
-        )
-    return _wrap_without_moving(host, param)
-
-
-def _wrap_without_moving(host: torch.Tensor, param: DTensor) -> DTensor:
-    spec = DTensorSpec(
-        param.device_mesh, tuple(param.placements),
-        tensor_meta=TensorMeta(param.shape, param.stride(), host.dtype),
-    )
+        return DTensor.from_local(host, mesh, param.placements, run_check=False, shape=shape, stride=stride)
+    spec = DTensorSpec(mesh, tuple(param.placements), tensor_meta=TensorMeta(shape, stride, host.dtype))
     return DTensor(host, spec, requires_grad=False)
 
 
-def to_local_value(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def check_rows_sharded(param: DTensor) -> None:
+    """Refuse a DTensor sharded other than along dim 0 (FSDP2 shards dim 0)."""
+    if any(p.is_shard() and p.dim != 0 for p in param.placements):
+        raise ValueError(
+            f"a parameter is sharded as {tuple(param.placements)}: state kept per row (CompactAdamW's "
+            "block scales) needs parameters sharded along dim 0 only, as FSDP2's fully_shard "
+            "shards them."
+        )
+
+
+def to_local_value(value: torch.Tensor, param: torch.Tensor, rows_only: bool = False) -> torch.Tensor:
     """A state tensor from a checkpoint, as the part ``param``'s rank keeps (not yet copied).
 
     A DTensor gives its local shard (redistributed first if it is laid out differently);
     for a plain parameter, its full value. A full plain tensor shaped like a DTensor
-    parameter gives this rank's slice of it. Anything else is returned as it is.
+    parameter gives this rank's slice of it; with ``rows_only``, one with the parameter's
+    rows (a state kept per row, see shard_like) gives this rank's rows. Anything else is
+    returned as it is.
     """
     if isinstance(value, DTensor):
         if not isinstance(param, DTensor):
@@ -235,4 +248,10 @@ def to_local_value(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
             param.shape, param.device_mesh, param.placements
         )
         return value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+    if isinstance(param, DTensor) and rows_only and value.dim() > 0 and value.shape[0] == param.shape[0]:
+        check_rows_sharded(param)  # (then this rank's rows are one range of dim 0)
+        shape, offset = compute_local_shape_and_global_offset(
+            param.shape, param.device_mesh, param.placements
+        )
+        return value[offset[0]:offset[0] + shape[0]]
     return value

@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from offload_plugin import checkpoint, host_memory, process, schedules
 from offload_plugin.checkpoint_compat import TORCHAO_MINIMAL_SIZE
 from offload_plugin.device_share import DeviceShare, choose_kept
-from offload_plugin.distributed import DTensor, local_part
+from offload_plugin.distributed import DTensor, check_rows_sharded, local_part
 from offload_plugin.gradients import GradientPath, check_dense
 from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots
 from offload_plugin.host_update import uses_fused_adam
@@ -373,8 +373,11 @@ class CPUOffloadOptimizer(Optimizer):
             self._host_optimizer.add_param_group(host_group)
         if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
             allocate_moments(slots)  # (the fused path creates Adam's state itself)
+        shard_of = getattr(self._host_optimizer, "shard_of", None)  # (CompactAdamW lays out shards' state)
         for slot in slots:
             slot.on_replaced = getattr(self._host_optimizer, "weight_replaced", None)
+            if shard_of is not None and isinstance(slot.param, DTensor):
+                shard_of(slot.master, slot.param.shape)
         if self._device_share is not None:  # one group per outer group, even if empty
             self._device_share.add_group({k: v for k, v in group.items() if k != "params"}, on_device)
         self._slots.add(slots)  # in parameter order: forward order for torchtune's models
@@ -406,14 +409,13 @@ class CPUOffloadOptimizer(Optimizer):
         return (p for g in self.param_groups for p in g["params"])
 
     def _check_host_only(self, params: list) -> None:
-        """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates the bf16 host
-        copies of one process: refuse what it cannot take before anything is allocated."""
+        """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates bf16 host
+        copies, of DTensors sharded by rows: refuse what it cannot take before anything is
+        allocated."""
         name = self.optimizer_cls.__name__
-        if any(isinstance(p, DTensor) for p in params):
-            raise ValueError(
-                f"optimizer_cls={name} does not support DTensor (FSDP2) parameters yet; use "
-                "torch.optim.AdamW with FSDP2."
-            )
+        for p in params:
+            if isinstance(p, DTensor):
+                check_rows_sharded(p)
         if self.master_weights or any(p.dtype != torch.bfloat16 for p in params):
             dtypes = sorted({str(p.dtype) for p in params})
             raise ValueError(

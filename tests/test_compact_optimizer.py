@@ -16,7 +16,12 @@ import torch
 from offload_plugin import CompactAdamW, CPUOffloadOptimizer, compact_optimizer
 from reference_twin import assert_same_params, make_model, train, train_overlapped, trainable
 
-KW = {"lr": 1e-2, "weight_decay": 0.1}
+# min_8bit_size=0: the test model's parameters are all under the default 4096 elements,
+# which keep exact state; the compact layout is what most tests here are about.
+KW = {"lr": 1e-2, "weight_decay": 0.1, "min_8bit_size": 0}
+# Parametrizes the tests that must hold for both layouts: everything compact, or the
+# default (every parameter of the test model under min_8bit_size: exact fp32 moments).
+LAYOUTS = pytest.mark.parametrize("kw", [KW, dict(KW, min_8bit_size=4096)], ids=["compact", "small-exact"])
 
 
 def _twins():
@@ -24,14 +29,15 @@ def _twins():
     return model, copy.deepcopy(model)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("offload_gradients,via_optimizer", [(False, False), (False, True), (True, True)])
-def test_offloaded_compact_adamw_is_compact_adamw(offload_gradients, via_optimizer):
+def test_offloaded_compact_adamw_is_compact_adamw(offload_gradients, via_optimizer, kw):
     """Accumulation, scaling and clipping through the offload optimizer: the same weights,
     losses and state bits as CompactAdamW stepping the bf16 parameters itself."""
     ref_model, model = _twins()
-    ref = CompactAdamW(trainable(ref_model), **KW)
+    ref = CompactAdamW(trainable(ref_model), **kw)
     opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW,
-                              offload_gradients=offload_gradients, **KW)
+                              offload_gradients=offload_gradients, **kw)
     ref_losses, ref_norms = train(ref_model, ref, 6, accum=2, clip=0.5)
     losses, norms = train(model, opt, 6, accum=2, clip=0.5, via_optimizer=via_optimizer)
     assert losses == ref_losses and norms == ref_norms
@@ -74,30 +80,32 @@ def test_delayed_update_applies_each_gradient_one_step_late(offload_gradients):
     assert_same_params(model, ref_model, exact=True)
 
 
-def test_resume_from_state_dict_continues_bit_exactly(tmp_path):
+@LAYOUTS
+def test_resume_from_state_dict_continues_bit_exactly(tmp_path, kw):
     """Save after 3 steps, build a new optimizer, load, train 3 more: as 6 uninterrupted."""
     straight, resumed = _twins()
-    opt = CPUOffloadOptimizer(straight.parameters(), optimizer_cls=CompactAdamW, **KW)
+    opt = CPUOffloadOptimizer(straight.parameters(), optimizer_cls=CompactAdamW, **kw)
     train(straight, opt, 6)
 
-    opt = CPUOffloadOptimizer(resumed.parameters(), optimizer_cls=CompactAdamW, **KW)
+    opt = CPUOffloadOptimizer(resumed.parameters(), optimizer_cls=CompactAdamW, **kw)
     train(resumed, opt, 3)
     torch.save({"model": resumed.state_dict(), "optim": opt.state_dict()}, tmp_path / "ckpt.pt")
     saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
     model = make_model(dtype=torch.bfloat16, seed=1)  # other weights until loaded
     model.load_state_dict(saved["model"])
-    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **KW)
+    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **kw)
     opt.load_state_dict(saved["optim"])
     train(model, opt, 3, start=3)
     assert_same_params(straight, model, exact=True)
 
 
-def test_a_weight_changed_outside_restarts_its_master_from_it():
+@LAYOUTS
+def test_a_weight_changed_outside_restarts_its_master_from_it(kw):
     """An edit between steps is what the next step updates (its stale remainder dropped),
     offloaded or not."""
     ref_model, model = _twins()
-    ref = CompactAdamW(trainable(ref_model), **KW)
-    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **KW)
+    ref = CompactAdamW(trainable(ref_model), **kw)
+    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **kw)
     for m, o in ((ref_model, ref), (model, opt)):
         train(m, o, 2)
         with torch.no_grad():
@@ -135,42 +143,101 @@ def test_malformed_compact_checkpoint_is_refused_with_nothing_changed(corrupt):
             assert torch.equal(after[index][key], value)
 
 
+@pytest.mark.parametrize("master", [True, False])
+def test_small_parameters_keep_exact_state_bitwise_torch_adamw_on_the_master(master):
+    """Under min_8bit_size elements (as bitsandbytes keeps them in 32 bits): fp32 moments,
+    and the update is torch's fused AdamW on the fp32 master (the bf16 weight + remainder)
+    bit for bit; without the remainder, on the bf16 weight widened, rounded back to
+    nearest. A larger parameter beside it stays compact."""
+    g = torch.Generator().manual_seed(0)
+    small = (torch.randn(300, generator=g) * 0.1).to(torch.bfloat16)
+    large = (torch.randn(5000, generator=g) * 0.1).to(torch.bfloat16)
+    ref = small.float().clone()
+    ours = CompactAdamW([small, large], lr=3e-2, weight_decay=0.1, master=master)
+    theirs = torch.optim.AdamW([ref], lr=3e-2, weight_decay=0.1, fused=True)
+    for _ in range(5):
+        grad = torch.randn(300, generator=g).to(torch.bfloat16)
+        small.grad, large.grad, ref.grad = grad, torch.randn(5000, generator=g).to(torch.bfloat16), grad.float()
+        ours.step()
+        theirs.step()
+        if not master:
+            ref.copy_(ref.to(torch.bfloat16).float())  # the master is the bf16 weight alone
+        entry, want = ours.state[small], theirs.state[ref]
+        got = compact_optimizer.compact_adam.master_of(small, entry.get("remainder"))
+        assert torch.equal(got, ref.reshape(-1))
+        assert torch.equal(entry["exp_avg"], want["exp_avg"]) and torch.equal(entry["exp_avg_sq"], want["exp_avg_sq"])
+        assert float(entry["step"]) == float(want["step"])
+    assert ours.state[large]["exp_avg"].dtype == torch.uint8 and "exp_avg_absmax" in ours.state[large]
+    assert "exp_avg_absmax" not in ours.state[small] and ("remainder" in ours.state[small]) == master
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda e: e.update(exp_avg=e["exp_avg"].to(torch.bfloat16)),
+    lambda e: e.update(exp_avg_sq=-e["exp_avg_sq"] - 1),
+    lambda e: e.update(exp_avg=torch.full_like(e["exp_avg"], float("inf"))),
+    lambda e: e.update(exp_avg=e["exp_avg"][:-1]),
+    lambda e: e.pop("remainder"),
+], ids=["bf16-moment", "negative-second-moment", "inf-moment", "short-moment", "no-remainder"])
+def test_malformed_exact_entry_is_refused_with_nothing_changed(corrupt):
+    model = make_model(dtype=torch.bfloat16)
+    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, lr=KW["lr"])  # all small
+    train(model, opt, 2)
+    good = opt.state_dict()
+    assert "exp_avg_absmax" not in good["state"][1] and good["state"][1]["exp_avg"].dtype == torch.float32
+    before = [{k: v.clone() for k, v in e.items()} for e in good["state"].values()]
+    bad = copy.deepcopy(good)
+    corrupt(bad["state"][1])
+    with pytest.raises(ValueError, match="state entry 1"):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()["state"]
+    for index, entry in enumerate(before):
+        for key, value in entry.items():
+            assert torch.equal(after[index][key], value)
+    signed = copy.deepcopy(good)  # a first moment may be negative: that one loads
+    signed["state"][1]["exp_avg"] = -signed["state"][1]["exp_avg"].abs() - 1e-3
+    opt.load_state_dict(signed)
+
+
 def test_host_memory_is_about_8_bytes_per_parameter():
     """State, remainder, block scales, host weight and gradient buffer: at most 8.04 bytes
     per bf16 parameter (exact AdamW with fp32 masters keeps 16)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512)).to(torch.bfloat16)
-    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, offload_gradients=True, **KW)
+    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, offload_gradients=True,
+                              lr=KW["lr"], weight_decay=KW["weight_decay"])  # (default min_8bit_size)
     model(torch.randn(4, 512).to(torch.bfloat16)).sum().backward()
     opt.step()
     n = sum(p.numel() for p in model.parameters())
     assert opt.host_memory_bytes() <= 8.04 * n
 
 
-def test_conversion_to_and_from_torch_adamw_state():
+@LAYOUTS
+def test_conversion_to_and_from_torch_adamw_state(kw):
     """to_adamw_state_dict gives torch AdamW's layout (it loads into torch's AdamW over the
     fp32 masters, each of which rounds to the model's weight); from_adamw_state_dict turns
     it back with the same masters (remainders bit for bit) and the moments within their
     quantization error (a block's scale is re-derived from its dequantized values)."""
     model = make_model(dtype=torch.bfloat16)
-    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **KW)
+    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **kw)
     train(model, opt, 3)
     params = trainable(model)
     sd = opt.state_dict()
     adamw_sd, masters = compact_optimizer.to_adamw_state_dict(sd, params)
     fp32 = [torch.nn.Parameter(m.clone()) for m in masters]
-    torch.optim.AdamW(fp32, **KW).load_state_dict(adamw_sd)  # torch's own layout
+    torch.optim.AdamW(fp32, lr=KW["lr"], weight_decay=KW["weight_decay"]).load_state_dict(adamw_sd)  # torch's own layout
     for p, m in zip(params, masters):
         assert torch.equal(compact_optimizer.compact_adam.split_master(m.reshape(-1))[0], p.detach().reshape(-1))
     back = compact_optimizer.from_adamw_state_dict(
         {"state": {i: dict(e, master_weight=masters[i]) for i, e in adamw_sd["state"].items()},
-         "param_groups": adamw_sd["param_groups"]}, params)
+         "param_groups": adamw_sd["param_groups"]}, params, min_8bit_size=kw["min_8bit_size"])
     for index, entry in sd["state"].items():
         assert torch.equal(back["state"][index]["remainder"], entry["remainder"]), index
         for key in ("exp_avg", "exp_avg_sq"):
             was, now = adamw_sd["state"][index][key], compact_optimizer.to_adamw_state_dict(
                 back, params)[0]["state"][index][key]
             assert (now - was).abs().max() <= 0.05 * was.abs().max(), (index, key)
+            if kw["min_8bit_size"] > 0:  # exact moments convert exactly
+                assert torch.equal(now, was), (index, key)
 
 
 def test_refusals_say_what_to_do():
@@ -249,6 +316,11 @@ def test_a_bitsandbytes_adamw8bit_state_dict_loads_and_training_continues():
     opt.load_state_dict(their_opt.state_dict())
     loaded, saved = opt.state_dict()["state"], their_opt.state_dict()["state"]
     for index, p in enumerate(ours.parameters()):
+        if p.numel() < compact_optimizer.MIN_8BIT_SIZE:  # bitsandbytes kept it in 32 bits: so do we
+            assert float(loaded[index]["step"]) == 5
+            for k, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+                assert torch.equal(loaded[index][key].reshape(-1), _bnb_moment(saved[index], k, p.numel())), index
+            continue
         got = compact_optimizer._state_of(loaded[index], p.detach().reshape(-1))
         assert got.step == 5
         for k, moment in zip((1, 2), got.moments()):

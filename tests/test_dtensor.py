@@ -354,3 +354,98 @@ def _check_qlora(rank, clip):
 @pytest.mark.parametrize("clip", [None, 0.5], ids=["overlap", "clip"])
 def test_qlora_nf4_base_sharded_trains_adapters_like_one_process(tmp_path, clip):
     _spawn(_check_qlora, tmp_path, "cpu", clip)
+
+
+def _compact_model() -> torch.nn.Module:
+    """bf16. Rows of 256 elements are whole blocks (compact, block scales per row, the 7
+    rows split 4/3); rows of 7 are not (exact state); the last layer's single row of 256
+    leaves rank 1 an empty shard of a compact parameter."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(256, 7), torch.nn.Tanh(), torch.nn.Linear(7, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1)
+    ).to(torch.bfloat16)
+
+
+def _compact_train(model, opt, steps, rank, first_step=0):
+    for step in range(first_step, first_step + steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 256, generator=g), torch.randn(8, 1, generator=g)
+        half = slice(4 * rank, 4 * rank + 4)
+        out = model(x[half].to(DEVICE, torch.bfloat16))
+        ((out - y[half].to(DEVICE, torch.bfloat16)) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+class _HostTwinCompact(_HostTwinAdamW):
+    """CompactAdamW itself on host copies of each rank's shards, told what they are shards of."""
+
+    def __init__(self, params):
+        from offload_plugin import CompactAdamW
+
+        self.params = list(params)
+        self.host = [p.to_local().detach().to("cpu", copy=True) for p in self.params]
+        self.opt = CompactAdamW(self.host, lr=LR, weight_decay=WD, min_8bit_size=0)
+        for p, h in zip(self.params, self.host):
+            self.opt.shard_of(h, p.shape)
+
+
+def _check_compact(rank, ckpt_dir):
+    from offload_plugin import CompactAdamW
+
+    base = _compact_model()
+
+    def offload(model, **kwargs):
+        return CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, lr=LR, weight_decay=WD,
+                                   min_8bit_size=0, **kwargs)
+
+    twin = _sharded(base)
+    _compact_train(twin, _HostTwinCompact(twin.parameters()), 3, rank)
+    for offload_gradients in (False, True):
+        model = _sharded(base)
+        opt = offload(model, offload_gradients=offload_gradients)
+        _compact_train(model, opt, 3, rank)
+        for got, want in zip(model.parameters(), twin.parameters()):
+            assert torch.equal(got.to_local().cpu(), want.to_local().cpu())
+    state = opt.state_dict()["state"]
+    rows = {0: 4 if rank == 0 else 3, 4: 1 if rank == 0 else 0}
+    for index, local_rows in rows.items():  # compact: codes by element, block scales per row
+        assert state[index]["exp_avg"].dtype == torch.uint8
+        assert state[index]["exp_avg_absmax"].to_local().shape == (local_rows, 1), index
+    assert state[2]["exp_avg"].dtype == torch.float32 and "exp_avg_absmax" not in state[2]  # rows of 7
+
+    # Saved by shard, resumed bit for bit; the full state dict gathers the scales by row.
+    straight = _sharded(base)
+    straight_opt = offload(straight)
+    _compact_train(straight, straight_opt, 4, rank)
+    model = _sharded(base)
+    opt = offload(model)
+    _compact_train(model, opt, 2, rank)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=ckpt_dir)
+    full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    assert full["state"]["0.weight"]["exp_avg_absmax"].shape == (7, 1)
+    assert full["state"]["4.weight"]["exp_avg_absmax"].shape == (1, 1)
+    resumed = _sharded(base)
+    opt = offload(resumed)
+    template = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opt)}
+    dcp.load(template, checkpoint_id=ckpt_dir)
+    set_model_state_dict(resumed, template["model"])
+    set_optimizer_state_dict(resumed, opt, template["optim"])
+    _compact_train(resumed, opt, 2, rank, first_step=2)
+    for got, want in zip(resumed.parameters(), straight.parameters()):
+        assert torch.equal(got.to_local().cpu(), want.to_local().cpu())
+    for got, want in zip(opt.state_dict()["state"].values(), straight_opt.state_dict()["state"].values()):
+        assert got.keys() == want.keys()
+        for key in want:  # bit for bit (the remainders travel as bf16 bits, NaN patterns too)
+            bits = (lambda t: (t.to_local() if isinstance(t, DTensor) else t).reshape(-1).view(torch.uint8))
+            assert torch.equal(bits(got[key]), bits(want[key])), key
+            assert got[key].dtype == want[key].dtype, key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compact_state_on_fsdp2_shards_trains_and_resumes_exactly(tmp_path, device):
+    """optimizer_cls=CompactAdamW on FSDP2 shards: each rank's update is CompactAdamW on its
+    own rows, bit for bit; a compact parameter's block scales are kept per row, so the state
+    saves by shard (DCP) and resumes bit for bit, and gathers whole (full_state_dict)."""
+    _spawn(_check_compact, tmp_path, device, str(tmp_path / "ckpt"))
