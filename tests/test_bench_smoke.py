@@ -1,6 +1,7 @@
 """bench/ scripts end to end on CPU: bench_train.py (a tiny model, numbers in the JSON),
 host_update_rate.py and report.py, as the README names them."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -215,3 +216,91 @@ def test_change_check_cost_tiny_cpu_smoke(tmp_path):
     for r in rows[:2]:
         assert r["step_s"] > 0 and r["check_s_per_step"] > 0 and r["tensors"] == 21
     assert rows[2]["check_s"] > 0
+
+
+def test_compact_quality_curves_json_and_svg(tmp_path):
+    """bench/compact_quality.py (docs/performance.md's compact quality table) on a few steps:
+    every requested variant's loss curve lands in the JSON and as one polyline per panel in
+    the SVG, and the product's variants match what they claim to be. CPUOffloadOptimizer
+    with CompactAdamW(min_8bit_size=0) is the standalone compact update on every tensor,
+    bit for bit; with its default it keeps small tensors exact as the standalone one; with
+    master weights it is torch's fused AdamW on fp32 masters, bit for bit; and the compact
+    curve starts at exact's (same initialization and data) and then differs from it, by
+    little."""
+    import importlib.util
+    import math
+    import xml.etree.ElementTree as ET
+
+    variants = ["exact", "exact_offload", "compact_offload", "compact_offload_all", "compact", "compact_all"]
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        variants.append("bnb")
+    steps, out, svg = 8, tmp_path / "quality.json", tmp_path / "quality.svg"
+    cmd = [sys.executable, str(REPO / "bench" / "compact_quality.py"), "--steps", str(steps),
+           "--batch", "4", "--seq", "32", "--lr", "1e-3", "--variants", *variants,
+           "--json", str(out), "--svg", str(svg)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = json.loads(out.read_text())
+    assert run["data"] == "bigram" and len(run["runs"]) == 1
+    curves = run["runs"][0]["curves"]
+    assert list(curves) == variants
+    for name, c in curves.items():
+        assert len(c) == steps and all(math.isfinite(v) for v in c), name
+    assert set(run["runs"][0]["summary"]) == set(variants)
+
+    ns = {"svg": "http://www.w3.org/2000/svg"}
+    root = ET.fromstring(svg.read_text())
+    for panel in ("loss", "diff"):
+        group = root.find(f".//svg:g[@id='{panel}']", ns)
+        lines = group.findall("svg:polyline", ns)
+        assert sorted(p.get("data-variant") for p in lines) == sorted(variants), panel
+        assert all(len(p.get("points").split()) == steps for p in lines), panel
+
+    exact, compact = curves["exact"], curves["compact_offload"]
+    assert curves["exact_offload"] == exact
+    assert curves["compact_offload_all"] == curves["compact_all"]
+    # With its default min_8bit_size the product keeps the small tensors exact as the
+    # standalone "compact" does (its weight rounds ties away from zero, the standalone
+    # one's to even: equal but for exact ties).
+    assert max(abs(a - b) / b for a, b in zip(compact, curves["compact"])) < 1e-4
+    assert compact != curves["compact_all"]
+    assert compact[0] == exact[0]  # before any update: the same model on the same batch
+    rel = [abs(a - b) / b for a, b in zip(compact[1:], exact[1:])]
+    assert 0 < max(rel) < 1e-3, rel
+    assert exact[0] - min(exact) > 0.1  # the updates move the loss: closeness is not vacuous
+
+
+def test_random_checkpoint_shards_are_named_as_the_configs_list_them():
+    """The 8B configs list model-0000{1..4}-of-00004.safetensors; every key lands in one."""
+    module = _bench_module("random_checkpoint")
+    sd = {f"w{i}": torch.zeros(10 + i) for i in range(9)}
+    files = module.shards(sd, 4)
+    assert [name for name, _ in files] == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert all(part for _, part in files)
+    assert [k for _, part in files for k in part] == list(sd)
+    assert module.shards(sd, 1) == [("model.safetensors", sd)]
+
+
+def _bench_module(name):
+    spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_stock_bench_runs_of_two_jobs_do_not_share_logs(tmp_path):
+    """torchtune's DiskLogger appends: a QLoRA run's steps 7-8 once counted in a full run
+    of 6 steps that reused its folder. Each job and model now has its own."""
+    import argparse
+
+    bench = _bench_module("bench_stock")
+    full = argparse.Namespace(work=tmp_path, job="full", model="8b")
+    qlora = argparse.Namespace(work=tmp_path, job="qlora", model="8b")
+    assert bench.run_dir(full, "ours_stock") != bench.run_dir(qlora, "ours_stock")
+    logs = bench.run_dir(full, "ours_stock") / "logs"
+    logs.mkdir(parents=True)
+    (logs / "log.txt").write_text("".join(
+        f"Step {s} | loss:{10 - s} tokens_per_second_per_gpu:{100 * s} peak_memory_alloc:2.0\n" for s in (1, 2, 3, 4)))
+    got = bench.parse(bench.run_dir(full, "ours_stock"), "PEAK_RSS_KIB 1048576", warmup=2)
+    assert got["steps"] == 4 and got["tokens_per_s"] == 350 and got["losses"] == [9, 8, 7, 6]
+    assert got["host_peak_rss_gib"] == 1.0
