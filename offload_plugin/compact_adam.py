@@ -32,10 +32,12 @@ Conversions: :func:`from_exact` / :func:`to_exact` (torch AdamW state), :func:`f
 (a bitsandbytes AdamW8bit state entry, translated through its own maps).
 
 Why the master is a remainder, not stochastic rounding: on bench/compact_quality.py's
-runs (tiny Llama, 300 steps) the loss curve's mean distance from exact AdamW's was 0.0008
-with the remainder (the same as bitsandbytes' AdamW8bit on fp32 masters), 0.0010-0.0015
-with stochastically rounded bf16 weights and 0.08 with plain bf16 weights; at lr 3e-4,
-0.0022 against 0.011 and 0.25. The remainder costs 2 bytes per parameter and no quality.
+bigram runs (tiny Llama, 300 steps, two seeds) the loss curve's mean distance from exact
+AdamW's was 0.0008 with the remainder (as bitsandbytes' AdamW8bit on fp32 masters),
+0.0008-0.0009 with stochastically rounded bf16 weights and 0.08 with plain bf16 weights; at
+lr 3e-4, 0.0021-0.0024 against 0.0024-0.0026 and 0.25; the exact master also makes a resume
+and the conversions to and from torch's AdamW exact (docs/performance.md#compact). The
+remainder costs 2 bytes per parameter.
 
 Where the update's time goes (a 16-core Xeon of the H200 machine, one thread, data in
 cache): about 1.85 ns per element against 1.1 for the fp32-master update, which the
