@@ -426,6 +426,15 @@ def _check_compact(rank, ckpt_dir):
     full = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     assert full["state"]["0.weight"]["exp_avg_absmax"].shape == (7, 1)
     assert full["state"]["4.weight"]["exp_avg_absmax"].shape == (1, 1)
+    # ... and the gathered state loads back into fresh shards (torch's DSD distributes it).
+    again = _sharded(base)
+    again.load_state_dict(model.state_dict())
+    again_opt = offload(again)
+    set_optimizer_state_dict(again, again_opt, full, options=StateDictOptions(full_state_dict=True))
+    for got, want in zip(again_opt.state_dict()["state"].values(), opt.state_dict()["state"].values()):
+        for key in want:
+            bits = (lambda t: (t.to_local() if isinstance(t, DTensor) else t).reshape(-1).view(torch.uint8))
+            assert torch.equal(bits(got[key]), bits(want[key])), key
     resumed = _sharded(base)
     opt = offload(resumed)
     template = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, opt)}
