@@ -50,6 +50,37 @@ def test_offloaded_compact_adamw_is_compact_adamw(offload_gradients, via_optimiz
             assert torch.equal(mine[index][key], value), (index, key)
 
 
+@LAYOUTS
+def test_schedulers_and_nonfinite_gradients_work_as_in_exact_mode(kw, caplog):
+    """An LR scheduler drives the host update as it drives CompactAdamW itself (bit for bit),
+    and a step whose gradients hold a NaN is skipped with a warning, leaving the weights and
+    every state bit as they were; the next finite step goes on."""
+    ref_model, model = _twins()
+    ref = CompactAdamW(trainable(ref_model), **kw)
+    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **kw)
+    scheds = [torch.optim.lr_scheduler.OneCycleLR(o, max_lr=2e-2, total_steps=10) for o in (ref, opt)]
+    train(ref_model, ref, 4, sched=scheds[0])
+    train(model, opt, 4, sched=scheds[1])
+    assert_same_params(ref_model, model, exact=True)
+    assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] != 2e-2 / 25  # it moved
+
+    before = ([p.detach().clone() for p in trainable(model)],
+              {i: {k: v.clone() for k, v in e.items()} for i, e in opt.state_dict()["state"].items()})
+    x = torch.randn(8, 16).to(torch.bfloat16)
+    model(x).sum().backward()
+    trainable(model)[-1].grad[0] = float("nan")
+    with caplog.at_level("WARNING"):
+        opt.step()
+    assert "skipped" in caplog.text
+    opt.zero_grad()
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before[0], trainable(model)))
+    for index, entry in opt.state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value.reshape(-1).view(torch.uint8), before[1][index][key].reshape(-1).view(torch.uint8))
+    train(model, opt, 1, start=4)  # and a finite step updates again
+    assert not all(torch.equal(a, b.detach()) for a, b in zip(before[0], trainable(model)))
+
+
 def test_overlapped_steps_match_plain_steps():
     """overlap_next_step (updates start as gradients land) gives the bits of scale-then-step."""
     runs = {}
