@@ -161,9 +161,12 @@ def test_malformed_compact_checkpoint_is_refused_with_nothing_changed(corrupt):
     model = make_model(dtype=torch.bfloat16)
     opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **KW)
     train(model, opt, 2)
-    good = opt.state_dict()
-    before = ({k: v.clone() for k, v in e.items()} for e in good["state"].values())
-    before = list(before)
+    _assert_refused_unchanged(opt, opt.state_dict(), corrupt)
+
+
+def _assert_refused_unchanged(opt, good: dict, corrupt) -> None:
+    """``good`` with entry 1 corrupted is refused (naming it) and the live state is unchanged."""
+    before = [{k: v.clone() for k, v in e.items()} for e in good["state"].values()]
     bad = copy.deepcopy(good)
     corrupt(bad["state"][1])
     with pytest.raises(ValueError, match="state entry 1"):
@@ -215,15 +218,7 @@ def test_malformed_exact_entry_is_refused_with_nothing_changed(corrupt):
     train(model, opt, 2)
     good = opt.state_dict()
     assert "exp_avg_absmax" not in good["state"][1] and good["state"][1]["exp_avg"].dtype == torch.float32
-    before = [{k: v.clone() for k, v in e.items()} for e in good["state"].values()]
-    bad = copy.deepcopy(good)
-    corrupt(bad["state"][1])
-    with pytest.raises(ValueError, match="state entry 1"):
-        opt.load_state_dict(bad)
-    after = opt.state_dict()["state"]
-    for index, entry in enumerate(before):
-        for key, value in entry.items():
-            assert torch.equal(after[index][key], value)
+    _assert_refused_unchanged(opt, good, corrupt)
     signed = copy.deepcopy(good)  # a first moment may be negative: that one loads
     signed["state"][1]["exp_avg"] = -signed["state"][1]["exp_avg"].abs() - 1e-3
     opt.load_state_dict(signed)
