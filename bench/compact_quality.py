@@ -243,7 +243,7 @@ def _stepper(variant: str, params: List[torch.nn.Parameter], wd: float) -> Stepp
             # this variant diverged).
             s.step += 1
             coeffs = compact_adam._coefficients(lr, betas[0], betas[1], wd, eps, s.step, True, False, None, None)
-            factor, _, decay, b1, omb1, b2, omb2, bc2, eps_t, nss = coeffs.unbind()
+            factor, _, decay, b1, omb1, b2, omb2, bc2, eps_t, nss, _ = coeffs.unbind()
             m, v = s.moments()
             gf = g.float() * factor
             m, v = m * b1 + gf * omb1, v * b2 + (gf * gf) * omb2

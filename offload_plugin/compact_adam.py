@@ -337,11 +337,10 @@ def _coefficients(lr, beta1, beta2, weight_decay, eps, step, adamw, maximize, gr
                   clip_coef) -> torch.Tensor:
     """The update's fp32 scalars, in the kernel's Coefficients order: derived in double
     (as torch's kernels derive theirs) and rounded to fp32 once, here, for both the kernel
-    and the reference. The gradient scale, clip coefficient and maximize fold into one
-    factor applied in fp32 (no bf16 rounding of the scaled gradient, unlike the exact path,
-    which matches torch's scale_grads there)."""
-    factor = (1.0 if grad_scale is None else float(grad_scale)) * (
-        1.0 if clip_coef is None else float(clip_coef)) * (-1.0 if maximize else 1.0)
+    and the reference. The gradient scale comes first, rounded to bf16 as torchtune's
+    scale_grads rounds it (as in the exact path); the clip coefficient and maximize fold
+    into one factor applied after, in fp32."""
+    factor = (1.0 if clip_coef is None else float(clip_coef)) * (-1.0 if maximize else 1.0)
     bc1 = 1.0 - beta1 ** step
     bc2 = 1.0 - beta2 ** step
     return torch.tensor([
@@ -349,15 +348,19 @@ def _coefficients(lr, beta1, beta2, weight_decay, eps, step, adamw, maximize, gr
         0.0 if adamw else weight_decay,           # l2
         1.0 - lr * weight_decay if adamw else 1.0,  # decay
         beta1, 1.0 - beta1, beta2, 1.0 - beta2, 1.0 / math.sqrt(bc2), eps, -lr / bc1,
+        1.0 if grad_scale is None else float(grad_scale),  # pre_scale
     ], dtype=torch.float64).to(torch.float32)
 
 
 def reference_step(state: CompactAdamState, grad: torch.Tensor, coeffs: torch.Tensor,
                    adamw: bool) -> None:
     """The kernel's update in torch, operation for operation (state.step not advanced)."""
-    factor, l2, decay, b1, omb1, b2, omb2, bc2, eps, nss = coeffs.unbind()
+    factor, l2, decay, b1, omb1, b2, omb2, bc2, eps, nss, pre_scale = coeffs.unbind()
     p = state.master()
-    g = grad.reshape(-1).float() * factor
+    g = grad.reshape(-1)
+    if float(pre_scale) != 1.0:
+        g = g * float(pre_scale)  # bf16, rounded as scale_grads rounds
+    g = g.float() * factor
     if not adamw and float(l2) != 0.0:
         g = g + p * l2
     m, v = state.moments()
@@ -404,8 +407,9 @@ def step_(state: CompactAdamState, grad: torch.Tensor, *, lr: float, beta1: floa
           clip_coef: Optional[float] = None, num_threads: Optional[int] = None,
           native: bool = True) -> None:
     """One AdamW (or Adam, ``adamw=False``: L2 weight decay) step of ``state`` in place,
-    from a bf16 ``grad`` of the weight's numel, multiplied by ``grad_scale`` and
-    ``clip_coef`` (optional) first. Advances ``state.step``. The gradient must be finite
+    from a bf16 ``grad`` of the weight's numel, multiplied first by ``grad_scale``
+    (rounded to bf16 as ``grad * grad_scale`` is: the same bits as scaling the gradient
+    beforehand, as torchtune's scale_grads does) and then by ``clip_coef`` (in fp32). Advances ``state.step``. The gradient must be finite
     (skip steps whose gradients are not, as the exact path does). Uses the native kernel
     when it was built and verified here (and ``native``), else :func:`reference_step`:
     the same bits either way."""

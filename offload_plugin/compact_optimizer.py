@@ -125,7 +125,11 @@ class CompactAdamW(Optimizer):
         return (p.shape[0], math.prod(full[1:]) // compact_adam.BLOCK)
 
     @torch.no_grad()
-    def step(self, closure=None) -> Optional[Any]:
+    def step(self, closure=None, *, grad_scale: Optional[float] = None) -> Optional[Any]:
+        """One step. ``grad_scale``: multiply each gradient by it first, inside the update's
+        pass: the same bits as ``p.grad.mul_(grad_scale)`` (torchtune's scale_grads) before
+        the step, without a pass of its own (CPUOffloadOptimizer applies
+        ``overlap_next_step``'s scale this way)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -142,14 +146,14 @@ class CompactAdamW(Optimizer):
                     self._entry(p, group)["step"] += 1
                     continue
                 if exact:
-                    self._exact_step(p, group)
+                    self._exact_step(p, group, grad_scale)
                     self._remember_version(p)
                     continue
                 state = self._compact(p, group)
                 compact_adam.step_(
                     state, p.grad.view(-1), lr=float(group["lr"]), beta1=float(beta1),
                     beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
+                    weight_decay=float(group["weight_decay"]), grad_scale=grad_scale,
                 )
                 self.state[p]["step"].fill_(float(state.step))
                 self._remember_version(p)
@@ -183,7 +187,7 @@ class CompactAdamW(Optimizer):
             self._remember_version(p)
         return entry if entry and _is_exact(entry) else None
 
-    def _exact_step(self, p: torch.Tensor, group: dict) -> None:
+    def _exact_step(self, p: torch.Tensor, group: dict, grad_scale: Optional[float]) -> None:
         """torch's fused AdamW on the fp32 master (weight + remainder), then split back."""
         entry = self.state[p]
         remainder = entry.get("remainder")
@@ -193,7 +197,8 @@ class CompactAdamW(Optimizer):
         entry["step"] += 1  # (torch's AdamW counts before its fused kernel)
         beta1, beta2 = group["betas"]
         torch._fused_adamw_(
-            [master], [p.grad.reshape(-1).float()], [entry["exp_avg"].view(-1)],
+            [master], [(p.grad if grad_scale is None else p.grad * grad_scale).reshape(-1).float()],
+            [entry["exp_avg"].view(-1)],
             [entry["exp_avg_sq"].view(-1)], [], [entry["step"]], amsgrad=False,
             lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
             weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,

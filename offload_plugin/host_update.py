@@ -206,17 +206,25 @@ def update_slots(
         _fused_adam_many(optimizer, group, batch, grad_scale)
     if not generic:
         return
+    # CompactAdamW scales inside its one pass; others get the gradients scaled first, in
+    # their dtype as scale_grads would and in place (the host copy is this step's alone): a
+    # scaled copy of each gradient is fresh memory at every step, whose page faults cost
+    # more than an update (Llama-3.1-8B, CompactAdamW, H200 host: 4.96 s a step that way).
+    scales_inside = getattr(optimizer, "bf16_host_only", False)
     for slot in generic:
         g = slot.grad
-        if grad_scale is not None:
-            g = g * grad_scale  # in the gradient's dtype, rounded as scale_grads would
+        if grad_scale is not None and not scales_inside:
+            g.mul_(grad_scale)
         if g.dtype != slot.master.dtype:
             g = g.to(slot.master.dtype)
         slot.master.grad = g
     try:
         # Parameters whose .grad is None are skipped by torch's optimizers, so one call
         # updates exactly this subset.
-        optimizer.step()
+        if scales_inside and grad_scale is not None:
+            optimizer.step(grad_scale=grad_scale)
+        else:
+            optimizer.step()
     finally:
         for slot in generic:
             slot.master.grad = None

@@ -241,6 +241,20 @@ def test_native_step_without_master_is_bitwise_the_reference(numel):
         _assert_same_state(a, b)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_grad_scale_is_the_gradient_scaled_beforehand(native):
+    """grad_scale inside the pass: the bits of multiplying the bf16 gradient first (as
+    torchtune's scale_grads does), the clip coefficient after it."""
+    n = 256 * 5 + 7
+    a, gen = _evolving_state(n, 11, master_weights=True)
+    b = _clone(a)
+    for k in range(3):
+        g = _grad(n, gen, scale=3.0)
+        ca.step_(a, g, lr=1e-3, grad_scale=1 / 3, clip_coef=0.7, native=native)
+        ca.step_(b, g * (1 / 3), lr=1e-3, clip_coef=0.7, native=native)
+        _assert_same_state(a, b, f"step {k + 1}")
+
+
 @needs_kernel
 def test_results_do_not_depend_on_the_thread_count():
     n = 256 * 1000 + 5  # several pieces per thread

@@ -81,13 +81,15 @@ def test_schedulers_and_nonfinite_gradients_work_as_in_exact_mode(kw, caplog):
     assert not all(torch.equal(a, b.detach()) for a, b in zip(before[0], trainable(model)))
 
 
-def test_overlapped_steps_match_plain_steps():
-    """overlap_next_step (updates start as gradients land) gives the bits of scale-then-step."""
+@LAYOUTS
+def test_overlapped_steps_match_plain_steps(kw):
+    """overlap_next_step (updates start as gradients land, the scale applied inside
+    CompactAdamW's pass) gives the bits of scale-then-step."""
     runs = {}
     for overlap in (False, True):
         model = make_model(dtype=torch.bfloat16)
         opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW,
-                                  offload_gradients=True, **KW)
+                                  offload_gradients=True, **kw)
         train_overlapped(model, opt, 4, overlap)
         runs[overlap] = model
     assert_same_params(runs[False], runs[True], exact=True)

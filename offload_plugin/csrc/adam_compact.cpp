@@ -143,13 +143,21 @@ struct Coefficients {
   float decay;        // AdamW: weight *= decay
   float beta1, one_minus_beta1, beta2, one_minus_beta2;
   float inv_bias_correction2_sqrt, eps, neg_step_size;  // 1 / sqrt(1 - beta2^step)
+  // Applied first and rounded to bf16 (nearest even), as torch's `grad * pre_scale` on a
+  // bf16 gradient rounds (torchtune's scale_grads); 1 leaves the gradient as it is.
+  float pre_scale;
 };
+
+// bf16(g * s) back in fp32, as torch rounds a bf16 tensor times a scalar (finite g).
+inline float scaled_bf16(float g, float s) {
+  return bf16_to_float(float_to_bf16_rne(g * s));
+}
 
 // Updates one block of len <= kBlock elements; every pointer starts at the block, but the
 // absmax pointers, which point at the block's own absmax. The new moments stay in two
 // 1 KiB buffers (L1) between the update and their quantization, which needs the block's
 // new absmax first.
-template <bool kMaster, bool kL2>
+template <bool kMaster, bool kL2, bool kPreScale>
 inline void update_block(uint16_t* __restrict weight, int16_t* __restrict remainder,
                          const uint16_t* __restrict grad, uint8_t* __restrict m_code,
                          float* __restrict m_absmax, uint8_t* __restrict v_code,
@@ -164,7 +172,9 @@ inline void update_block(uint16_t* __restrict weight, int16_t* __restrict remain
 #pragma omp simd reduction(max : m_max, v_max)
   for (int j = 0; j < len; ++j) {
     float p = kMaster ? master_of(weight[j], remainder[j]) : bf16_to_float(weight[j]);
-    float g = bf16_to_float(grad[j]) * c.grad_factor;
+    float g = bf16_to_float(grad[j]);
+    if (kPreScale) g = scaled_bf16(g, c.pre_scale);
+    g = g * c.grad_factor;
     if (kL2) g = g + p * c.l2;
     float m = mvals[m_code[j]] * am;
     float v = vvals[v_code[j]] * av;
@@ -257,7 +267,16 @@ inline __m512 decode16(const uint8_t* codes, __m512 d, __m512 beta, __m512i base
   return v;
 }
 
-template <bool kMaster, bool kL2>
+// scaled_bf16 on 16 lanes (finite lanes: the rounding of float_to_bf16_rne without its
+// NaN case).
+inline __m512 scaled_bf16x16(__m512 g, __m512 s) {
+  const __m512i u = _mm512_castps_si512(_mm512_mul_ps(g, s));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(r, 16), 16));
+}
+
+template <bool kMaster, bool kL2, bool kPreScale>
 inline void update_block(uint16_t* __restrict weight, int16_t* __restrict remainder,
                          const uint16_t* __restrict grad, uint8_t* __restrict m_code,
                          float* __restrict m_absmax, uint8_t* __restrict v_code,
@@ -275,7 +294,7 @@ inline void update_block(uint16_t* __restrict weight, int16_t* __restrict remain
                omb1 = _mm512_set1_ps(c.one_minus_beta1), b2 = _mm512_set1_ps(c.beta2),
                omb2 = _mm512_set1_ps(c.one_minus_beta2),
                bc2 = _mm512_set1_ps(c.inv_bias_correction2_sqrt), eps = _mm512_set1_ps(c.eps),
-               nss = _mm512_set1_ps(c.neg_step_size);
+               nss = _mm512_set1_ps(c.neg_step_size), pre = _mm512_set1_ps(c.pre_scale);
   const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
   __m512 m_max = _mm512_setzero_ps(), v_max = _mm512_setzero_ps();
   for (int j = 0; j < kBlock; j += 16) {
@@ -287,7 +306,9 @@ inline void update_block(uint16_t* __restrict weight, int16_t* __restrict remain
     } else {
       p = bf16x16(weight + j);
     }
-    __m512 g = _mm512_mul_ps(bf16x16(grad + j), factor);
+    __m512 g = bf16x16(grad + j);
+    if (kPreScale) g = scaled_bf16x16(g, pre);
+    g = _mm512_mul_ps(g, factor);
     if (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(p, l2));
     __m512 m = _mm512_mul_ps(decode16<true>(m_code + j, md, mbeta, mbase), am);
     __m512 v = _mm512_mul_ps(decode16<false>(v_code + j, vd, vbeta, vbase), av);
@@ -363,7 +384,7 @@ void parallel_blocks(int64_t n_blocks, int num_threads, const F& fn) {
   }
 }
 
-template <bool kMaster, bool kL2>
+template <bool kMaster, bool kL2, bool kPreScale>
 void run(uint16_t* weight, int16_t* remainder, const uint16_t* grad, uint8_t* m_code,
          float* m_absmax, uint8_t* v_code, float* v_absmax, int64_t n, const Map& mq,
          const Map& vq, const Coefficients& c, int num_threads) {
@@ -373,15 +394,15 @@ void run(uint16_t* weight, int16_t* remainder, const uint16_t* grad, uint8_t* m_
     int16_t* r = kMaster ? remainder + i : nullptr;
     if (i + kBlock <= n) {  // a whole block
 #if COMPACT_AVX512
-      avx512::update_block<kMaster, kL2>(weight + i, r, grad + i, m_code + i, m_absmax + b,
+      avx512::update_block<kMaster, kL2, kPreScale>(weight + i, r, grad + i, m_code + i, m_absmax + b,
                                          v_code + i, v_absmax + b, mq, vq, c);
 #else
-      update_block<kMaster, kL2>(weight + i, r, grad + i, m_code + i, m_absmax + b,
-                                 v_code + i, v_absmax + b, static_cast<int>(kBlock), mq, vq, c);
+      update_block<kMaster, kL2, kPreScale>(weight + i, r, grad + i, m_code + i, m_absmax + b,
+                                            v_code + i, v_absmax + b, static_cast<int>(kBlock), mq, vq, c);
 #endif
     } else {
-      update_block<kMaster, kL2>(weight + i, r, grad + i, m_code + i, m_absmax + b,
-                                 v_code + i, v_absmax + b, static_cast<int>(n - i), mq, vq, c);
+      update_block<kMaster, kL2, kPreScale>(weight + i, r, grad + i, m_code + i, m_absmax + b,
+                                            v_code + i, v_absmax + b, static_cast<int>(n - i), mq, vq, c);
     }
   });
 }
@@ -392,7 +413,7 @@ extern "C" {
 
 // One AdamW (adamw=1) or Adam (L2 weight decay, adamw=0) step over n elements in place.
 // remainder may be null: then there is no master and the weight is rounded to nearest
-// even. coeffs: the 10 floats of Coefficients, in order. m_/v_table: see Map. Returns 0.
+// even. coeffs: the 11 floats of Coefficients, in order. m_/v_table: see Map. Returns 0.
 int adam_compact_step(uint16_t* weight, int16_t* remainder, const uint16_t* grad,
                       uint8_t* m_code, float* m_absmax, uint8_t* v_code, float* v_absmax,
                       int64_t n, const Map* m_map, const Map* v_map, const float* coeffs,
@@ -403,10 +424,20 @@ int adam_compact_step(uint16_t* weight, int16_t* remainder, const uint16_t* grad
   Coefficients c;
   std::memcpy(&c, coeffs, sizeof c);
   const bool master = remainder != nullptr, l2 = !adamw && c.l2 != 0.0f;
-  if (master && l2) run<true, true>(weight, remainder, grad, m_code, m_absmax, v_code, v_absmax, n, mq, vq, c, num_threads);
-  else if (master) run<true, false>(weight, remainder, grad, m_code, m_absmax, v_code, v_absmax, n, mq, vq, c, num_threads);
-  else if (l2) run<false, true>(weight, remainder, grad, m_code, m_absmax, v_code, v_absmax, n, mq, vq, c, num_threads);
-  else run<false, false>(weight, remainder, grad, m_code, m_absmax, v_code, v_absmax, n, mq, vq, c, num_threads);
+  const bool pre = c.pre_scale != 1.0f;
+#define COMPACT_RUN(M, L, P) run<M, L, P>(weight, remainder, grad, m_code, m_absmax, v_code, v_absmax, n, mq, vq, c, num_threads)
+  if (pre) {
+    if (master && l2) COMPACT_RUN(true, true, true);
+    else if (master) COMPACT_RUN(true, false, true);
+    else if (l2) COMPACT_RUN(false, true, true);
+    else COMPACT_RUN(false, false, true);
+  } else {
+    if (master && l2) COMPACT_RUN(true, true, false);
+    else if (master) COMPACT_RUN(true, false, false);
+    else if (l2) COMPACT_RUN(false, true, false);
+    else COMPACT_RUN(false, false, false);
+  }
+#undef COMPACT_RUN
   return 0;
 }
 
