@@ -102,6 +102,9 @@ def command(args, name: str) -> list[str]:
         f"output_dir={out}", "metric_logger._component_=torchtune.training.metric_logging.DiskLogger",
         f"metric_logger.log_dir={out}/logs", "metric_logger.filename=log.txt",
         "log_every_n_steps=1", "log_peak_memory_stats=True",
+        # The same batches in the same order for every run: the configs ship seed null,
+        # and a step's tokens/s depends on its samples' lengths (padded per batch).
+        "seed=0",
     ]
     return [sys.executable, "-c", LAUNCH, "run", *target, *common, *overrides]
 

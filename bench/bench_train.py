@@ -71,7 +71,8 @@ def _ours(model, trainable, args, **kw):
     # A mode name without "nomaster" keeps fp32 masters, as in every result recorded here
     # before master_weights became opt-in.
     kw.setdefault("master_weights", True)
-    _check_host_memory(trainable, args, **kw)  # (an upper bound with --device-fraction)
+    _check_host_memory(trainable, args, **{k: v for k, v in kw.items() if k != "optimizer_cls"})
+    # (an upper bound with --device-fraction or CompactAdamW)
     # model.parameters(), frozen NF4 weights included, as torchtune's recipes pass them.
     if args.device_fraction:
         kw["device_fraction"] = args.device_fraction
@@ -97,6 +98,41 @@ def _bnb(model, trainable, args):
     except ImportError as err:
         raise Skip(f"bitsandbytes not importable ({err})") from None
     return bnb.optim.PagedAdamW8bit(trainable, lr=LR)
+
+
+class _InBackward:
+    """torchtune's ``optimizer_in_bwd: True`` (the stock full-finetune configs' setting), as
+    its recipes build it: one optimizer per trainable parameter, stepped and zeroed in that
+    parameter's post-accumulate-grad hook (torchtune's own register_optim_in_bwd_hooks).
+    step() and zero_grad() after backward then do nothing; the loss is not scaled by
+    1/tokens (the stock recipe cannot scale gradients the hooks already used)."""
+
+    def __init__(self, model, make):
+        from torchtune import training
+
+        self.optimizers = {p: make([p]) for p in model.parameters() if p.requires_grad}
+        training.register_optim_in_bwd_hooks(model=model, optim_dict=self.optimizers)
+        first = next(iter(self.optimizers.values()))
+        self._worker = getattr(first, "_worker", None)
+        self.offload_gradients = self.delayed_update = self.overlapping = False
+        if hasattr(first, "host_memory_bytes"):
+            self.host_memory_bytes = lambda: sum(o.host_memory_bytes() for o in self.optimizers.values())
+            self.finish_step = lambda: [o.finish_step() for o in self.optimizers.values()]
+
+    def step(self):
+        pass
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+    def scale_grads(self, factor):
+        pass
+
+
+def _ours_in_bwd(model, args, **kw):
+    from offload_plugin import CPUOffloadOptimizer
+
+    return _InBackward(model, lambda ps: CPUOffloadOptimizer(ps, lr=LR, host_threads=args.host_threads, **kw))
 
 
 class _NoUpdate:
@@ -144,8 +180,16 @@ OPTIMIZERS = {
     "offload_grads_early": lambda m, t, a: _ours(m, t, a, offload_gradients=True),
     "offload_grads_nomaster_early": lambda m, t, a: _ours(m, t, a, offload_gradients=True,
                                                           master_weights=False),
+    # Opt-in, not exact: CompactAdamW's 8-bit moments and bf16 + 16-bit remainder masters.
+    "offload_grads_compact": lambda m, t, a: _ours(m, t, a, offload_gradients=True, master_weights=False,
+                                                   optimizer_cls="offload_plugin.CompactAdamW"),
+    "offload_grads_compact_early": lambda m, t, a: _ours(m, t, a, offload_gradients=True, master_weights=False,
+                                                         optimizer_cls="offload_plugin.CompactAdamW"),
     "torchao": _torchao,
     "bnb_paged8bit": _bnb,
+    # optimizer_in_bwd as torchtune's stock full-finetune configs set it, default options.
+    "offload_in_bwd": lambda m, t, a: _ours_in_bwd(m, a),
+    "gpu_adamw_in_bwd": lambda m, t, a: _InBackward(m, lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True)),
 }
 DEFAULT_OPTIMIZERS = "gpu_adamw,offload,offload_grads,torchao,bnb_paged8bit"
 
@@ -263,6 +307,10 @@ def run_single(args, name):
 
     dev = args.device
     res = {"optimizer": name, "threads": torch.get_num_threads(), "notes": []}
+    if args.gpu_memory_gib:  # a smaller card: the caching allocator refuses more than this
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * GIB / total))
+        res["gpu_memory_limit_gib"] = args.gpu_memory_gib
     if dev == "cuda":
         res["device_name"] = torch.cuda.get_device_name()
     model = build_model(args)
@@ -331,6 +379,8 @@ def run_single(args, name):
 
         def scale_clip():
             n = n_tokens
+            if isinstance(opt, _InBackward):
+                return  # the hooks stepped with the unscaled gradients, as the stock recipe
             if is_ours:
                 if not opt.overlapping:
                     opt.scale_grads(1.0 / n)
@@ -385,7 +435,7 @@ def run_single(args, name):
             res["host_busy_s"] = (busy[-1] - busy[args.warmup]) / len(timed)
             res["host_wait_s"] = (waited[-1] - waited[args.warmup]) / len(timed)
 
-        if args.measure_host_update and is_ours and not delayed:
+        if args.measure_host_update and is_ours and not delayed and not isinstance(opt, _InBackward):
             # The optimizer step alone: gradients in place, nothing else queued on the GPU.
             forward_backward(overlap=False)
             scale_clip()
@@ -635,6 +685,8 @@ def parse_args(argv=None):
                         "where a busy core makes 2 threads crawl)")
     p.add_argument("--host-threads", type=int, default=None,
                    help="CPUOffloadOptimizer(host_threads=...) (default: all cores but one)")
+    p.add_argument("--gpu-memory-gib", type=float, default=None,
+                   help="limit the GPU memory torch may allocate (set_per_process_memory_fraction)")
     p.add_argument("--device-fraction", type=float, default=0.0,
                    help="CPUOffloadOptimizer(device_fraction=...): share updated on the GPU")
     p.add_argument("--ref-numel-cap", type=int, default=2**28,

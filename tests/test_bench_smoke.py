@@ -304,3 +304,32 @@ def test_stock_bench_runs_of_two_jobs_do_not_share_logs(tmp_path):
     got = bench.parse(bench.run_dir(full, "ours_stock"), "PEAK_RSS_KIB 1048576", warmup=2)
     assert got["steps"] == 4 and got["tokens_per_s"] == 350 and got["losses"] == [9, 8, 7, 6]
     assert got["host_peak_rss_gib"] == 1.0
+
+
+def test_bench_train_in_backward_and_compact_modes_cpu_smoke(tmp_path):
+    """optimizer_in_bwd as torchtune's stock recipe builds it (one optimizer per parameter,
+    stepped in its gradient hook), ours and torch's, and CompactAdamW: each trains, and the
+    in-backward runs of ours and torch's give the same losses (both AdamW on the CPU)."""
+    out = tmp_path / "modes.json"
+    modes = ["gpu_adamw_in_bwd", "offload_in_bwd", "offload_grads_compact_early"]
+    cmd = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--tiny", "--device", "cpu",
+           "--job", "full", "--tokens-per-step", "256", "--seq-len", "64", "--optimizers", ",".join(modes),
+           "--steps", "3", "--warmup", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    results = {r["optimizer"]: r for r in json.loads(out.read_text())["results"]}
+    for name in modes:
+        assert "error" not in results[name], results[name]
+        assert len(set(results[name]["losses"])) == 3, name  # the weights moved
+    assert results["offload_in_bwd"]["losses"] == results["gpu_adamw_in_bwd"]["losses"]
+
+
+def test_stock_bench_gives_every_run_the_same_batches(tmp_path):
+    """The stock configs ship seed: null; every run of the bench passes seed=0."""
+    import argparse
+
+    bench = _bench_module("bench_stock")
+    args = argparse.Namespace(work=tmp_path, job="qlora", model="1b", checkpoint=tmp_path / "ckpt",
+                              seq_len=1024, batch_size=4, steps=12)
+    for name in bench.RUNS["qlora"]:
+        assert "seed=0" in bench.command(args, name)
