@@ -46,6 +46,7 @@ class GradientPath:
                  arena: ArenaAccount, pin: bool, delayed_update: bool) -> None:
         self.table, self.transfers, self.worker, self.arena = table, transfers, worker, arena
         self._pin, self._delayed_update = pin, delayed_update
+        self._runs_cache: dict = {}  # for transfer.packed_runs: our host buffers' runs
 
     def offload(self, slot: HostSlot, before: Optional[Callable] = None,
                 extremes: bool = False, add_in_worker: bool = True) -> bool:
@@ -153,7 +154,8 @@ class GradientPath:
             self._copy_batch(batch)
 
     def _copy_batch(self, slots) -> None:
-        event = self.transfers.to_host([(local_part(slot.param.grad), slot.grad) for slot in slots])
+        event = self.transfers.to_host([(local_part(slot.param.grad), slot.grad) for slot in slots],
+                                       runs_cache=self._runs_cache)
         for slot in slots:
             slot.grad_event, slot.has_grad = event, True
 

@@ -14,6 +14,8 @@ Any other ``optimizer_cls`` (or Adam without ``fused``) goes through its own ``s
 
 from __future__ import annotations
 
+import dataclasses
+import weakref
 from typing import Optional
 
 import torch
@@ -22,7 +24,7 @@ from torch.optim import Optimizer
 from offload_plugin import native_adam
 from offload_plugin.host_buffers import HostSlot, back_to_back
 
-__all__ = ["uses_fused_adam", "update_slots"]
+__all__ = ["uses_fused_adam", "update_slots", "forget_batches"]
 
 # 2 Mi elements: the fp32 gradient temporary (8 MiB) and the chunk of master weight read
 # back for the bf16 copy stay in the last-level cache between the three operations.
@@ -135,6 +137,59 @@ def _one_native_call(slot: HostSlot, group: dict) -> bool:
     return slot.native_whole
 
 
+@dataclasses.dataclass
+class _Batch:
+    """What _fused_adam_many works out for one batch of slots from their buffers and state
+    tensors, which stay the same objects step after step (the plans cut the same batches)."""
+
+    slots: list  # (held, so that the ids keying this batch stay theirs)
+    held: list  # each slot's (state, step, exp_avg, exp_avg_sq) when worked out
+    tensors: list  # master, grad, exp_avg, exp_avg_sq[, weight_stage] lists
+    spans: Optional[list]  # back_to_back of each list, or None if any is not
+    usable: bool  # moments contiguous and step counts float32 scalars (else slot by slot)
+    counts: torch.Tensor  # the step counts side by side, float32 as torch keeps them,
+    cells: list  # and a 0-d view of each
+
+
+# host optimizer -> {ids of a batch's slots: _Batch}; weak, so that it goes with its optimizer.
+_BATCHES: "weakref.WeakKeyDictionary[Optimizer, dict]" = weakref.WeakKeyDictionary()
+
+
+def _batch(optimizer: Optimizer, slots: list[HostSlot], states: list[dict]) -> _Batch:
+    """The batch of ``slots`` as last worked out, or anew if a state tensor was replaced
+    since (a loaded state dict, a new entry)."""
+    batches = _BATCHES.setdefault(optimizer, {})
+    key = tuple(map(id, slots))
+    batch = batches.get(key)
+    if batch is not None and all(
+        st is h[0] and st["step"] is h[1] and st["exp_avg"] is h[2] and st["exp_avg_sq"] is h[3]
+        for st, h in zip(states, batch.held)
+    ):
+        return batch
+    tensors = [[slot.master for slot in slots], [slot.grad for slot in slots],
+               [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]]
+    if slots[0].weight_stage is not None:
+        tensors.append([slot.weight_stage for slot in slots])
+    spans = [back_to_back(x) for x in tensors]
+    usable = all(st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous()
+                 and st["step"].dtype == torch.float32 and st["step"].dim() == 0 for st in states)
+    counts = torch.zeros(len(slots), dtype=torch.float32)
+    batch = _Batch(list(slots), [(st, st["step"], st["exp_avg"], st["exp_avg_sq"]) for st in states],
+                   tensors, None if any(span is None for span in spans) else spans, usable,
+                   counts, list(counts.unbind()))
+    if len(batches) > 64:  # (plans cut new batches when arrival order changes)
+        batches.clear()
+    batches[key] = batch
+    return batch
+
+
+def forget_batches(optimizer: Optimizer) -> None:
+    """Drop what _fused_adam_many worked out for ``optimizer``'s batches: after a load that
+    replaced its state tensors, so that the old ones are not kept alive until each batch
+    steps again (an identity check makes it rebuild them anyway)."""
+    _BATCHES.pop(optimizer, None)
+
+
 def _fused_adam_many(
     optimizer: Optimizer, group: dict, slots: list[HostSlot], grad_scale: Optional[float]
 ) -> None:
@@ -142,35 +197,33 @@ def _fused_adam_many(
     (hundreds of LoRA adapters: per-slot Python and a thread team per call would dwarf the
     arithmetic; for one slot, two torch calls instead of its views and step arithmetic)."""
     states = [_adam_state(optimizer, slot, False) for slot in slots]
-    tensors = [[slot.master for slot in slots], [slot.grad for slot in slots],
-               [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]]
-    if slots[0].weight_stage is not None:
-        tensors.append([slot.weight_stage for slot in slots])
-    step_counts = [st["step"] for st in states]
-    steps = torch.stack(step_counts).tolist()  # (before this update)
-    # Back to back in host memory (as the arena and allocate_moments lay slots out) and at
-    # one step count: the batch is one tensor to the kernel, which updates each element
-    # on its own; every slot is a whole number of its vectors, so each element takes the
-    # same instructions as in a call per slot.
-    spans = [back_to_back(x) for x in tensors] if len(set(steps)) == 1 else None
-    if spans is None or any(span is None for span in spans):
-        spans = None
-        if not all(st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous() for st in states):
-            for slot in slots:  # e.g. state loaded with another layout
-                _fused_adam_update(optimizer, group, slot, grad_scale)
-            return
-    torch._foreach_add_(step_counts, 1)  # as each slot's state["step"] += 1
+    batch = _batch(optimizer, slots, states)
+    if not batch.usable:
+        for slot in slots:  # e.g. state loaded with another layout
+            _fused_adam_update(optimizer, group, slot, grad_scale)
+        return
+    step_counts = [h[1] for h in batch.held]
+    # As each slot's state["step"] += 1 (float32), in three torch calls instead of one
+    # per slot (torch's foreach add of a scalar on the CPU is a loop of them).
+    torch._foreach_copy_(batch.cells, step_counts)
+    batch.counts.add_(1)
+    torch._foreach_copy_(step_counts, batch.cells)
+    steps = batch.counts.tolist()
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     beta1, beta2 = group["betas"]
     hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
                  weight_decay=group["weight_decay"], eps=group["eps"], adamw=decoupled,
                  maximize=group["maximize"], grad_scale=grad_scale, num_threads=torch.get_num_threads())
     native = native_adam.kernel()
-    if spans is not None:
-        native.step(*spans[:4], spans[4] if len(spans) > 4 else None, step=step_counts[0].item(), **hyper)
+    tensors, spans = batch.tensors, batch.spans
+    # Back to back in host memory (as the arena and allocate_moments lay slots out) and at
+    # one step count: the batch is one tensor to the kernel, which updates each element
+    # on its own; every slot is a whole number of its vectors, so each element takes the
+    # same instructions as in a call per slot.
+    if spans is not None and steps.count(steps[0]) == len(steps):
+        native.step(*spans[:4], spans[4] if len(spans) > 4 else None, step=steps[0], **hyper)
     else:
-        native.step_many(*tensors[:4], tensors[4] if len(tensors) > 4 else None,
-                         torch.stack(step_counts).tolist(), **hyper)
+        native.step_many(*tensors[:4], tensors[4] if len(tensors) > 4 else None, steps, **hyper)
 
 
 def update_slots(
@@ -189,10 +242,12 @@ def update_slots(
 
     After it returns, each slot's ``weight_stage`` (if any) holds the new weight.
     """
-    generic, together = [], {}
+    generic, together, fused = [], {}, {}  # (fused: per group, asked once per call)
     for slot in slots:
         group = group_of[slot.master]
-        if not uses_fused_adam(optimizer, group):
+        if id(group) not in fused:
+            fused[id(group)] = uses_fused_adam(optimizer, group)
+        if not fused[id(group)]:
             generic.append(slot)
         elif _one_native_call(slot, group):
             # Even alone: _fused_adam_update's views and step arithmetic are torch calls that

@@ -33,7 +33,7 @@ from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, check_rows_sharded, local_part
 from offload_plugin.gradients import GradientPath, check_dense
 from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots
-from offload_plugin.host_update import uses_fused_adam
+from offload_plugin.host_update import forget_batches, uses_fused_adam
 from offload_plugin.options import Options, check_trainable
 from offload_plugin.scaling import Scaling
 from offload_plugin.schedules import delayed, early_forward, in_backward
@@ -759,6 +759,8 @@ class CPUOffloadOptimizer(Optimizer):
         # Checked and converted into new tensors; nothing of this optimizer changed yet.
         plan = checkpoint.prepare_load(self, state_dict, torchao_minimal_size, allow_nonfinite)
         checkpoint.apply_state(self, plan)
+        if self._host_optimizer is not None:
+            forget_batches(self._host_optimizer)
         # The one place where loading writes master weights and device weights.
         checkpoint.write_weights(self, plan)
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -23,7 +23,9 @@ class SlotTable:
 
     def __init__(self) -> None:
         self._slots: list[HostSlot] = []
-        self._of: dict[torch.Tensor, HostSlot] = {}
+        # By id: a tensor's __hash__ is Python code, and the table is asked about every
+        # parameter at every step. The slot holds its parameter, so the id stays its own.
+        self._of: dict[int, HostSlot] = {}
         # Device meshes of DTensor (FSDP2) parameters: the ranks whose gradients count in
         # the clipping norm and in the decision to skip a non-finite step. Empty otherwise.
         self.meshes: list = []
@@ -32,7 +34,7 @@ class SlotTable:
         for slot in slots:
             slot.order = len(self._slots)
             self._slots.append(slot)
-            self._of[slot.param] = slot
+            self._of[id(slot.param)] = slot
         self.meshes = distributed.meshes_of(s.param for s in self._slots)
 
     def __iter__(self) -> Iterator[HostSlot]:
@@ -42,17 +44,22 @@ class SlotTable:
         return len(self._slots)
 
     def __contains__(self, param) -> bool:
-        return param in self._of
+        return self.get(param) is not None
 
     def __getitem__(self, param: torch.Tensor) -> HostSlot:
-        return self._of[param]
+        slot = self.get(param)
+        if slot is None:
+            raise KeyError("not a parameter of this optimizer's slots")
+        return slot
 
     def get(self, param: torch.Tensor) -> Optional[HostSlot]:
-        return self._of.get(param)
+        slot = self._of.get(id(param))
+        return slot if slot is not None and slot.param is param else None
 
     def in_order(self, params: Iterable[torch.Tensor]) -> Iterator[HostSlot]:
         """The slots of ``params`` that have one, in the order of ``params``."""
-        return (self._of[p] for p in params if p in self._of)
+        of = self._of
+        return (s for p in params if (s := of.get(id(p))) is not None and s.param is p)
 
     @property
     def sharded(self) -> bool:

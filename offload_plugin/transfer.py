@@ -38,41 +38,61 @@ PACK_MAX_BYTES = 1 << 20
 _last_completed: list = [None]
 
 
-def packed_runs(pairs: list, host: int) -> list[tuple[list, Optional[torch.Tensor]]]:
+def packed_runs(pairs: list, host: int, cache: Optional[dict] = None) -> list[tuple[list, Optional[torch.Tensor]]]:
     """``pairs`` (host tensor at index ``host``, device tensor at the other) split in issue
     order into runs copied packed, each with a 1-D tensor over its host side, and pairs
     copied alone (with None). A run holds two or more small pairs (up to PACK_MAX_BYTES
-    each) whose device tensors are contiguous with the host tensors' dtype and numel and
-    whose host tensors are contiguous and lie back to back in one storage."""
+    each) whose host tensors are contiguous, on the CPU and back to back in one storage,
+    and whose device tensors are contiguous with the host tensors' dtype and numel.
+
+    ``cache`` (a dict its caller keeps as long as the host tensors): the split depends only
+    on the host tensors, which are the same buffers step after step, so it is worked out
+    once per sequence of them; only the device tensors are checked each time."""
+    key = tuple(id(pair[host]) for pair in pairs)
+    entry = cache.get(key) if cache is not None else None
+    if entry is None:
+        entry = ([pair[host] for pair in pairs], _host_runs([pair[host] for pair in pairs]))
+        if cache is not None:
+            if len(cache) > 64:  # (the batches change with the gradients' arrival order)
+                cache.clear()
+            cache[key] = entry  # (holding the tensors, so that the ids stay theirs)
     out: list = []
-    run: list = []
-    numel = end = base = 0
+    for start, end, span in entry[1]:
+        run = pairs[start:end]
+        if span is not None and all(d.dtype == h.dtype and d.numel() == h.numel() and d.is_contiguous()
+                                    for h, d in ((p[host], p[1 - host]) for p in run)):
+            out.append((run, span))
+        else:
+            out.extend(([pair], None) for pair in run)
+    return out
+
+
+def _host_runs(hosts: list) -> list[tuple[int, int, Optional[torch.Tensor]]]:
+    """packed_runs' split of the host tensors: (start, end, span or None) ranges."""
+    out: list = []
+    first = numel = end = base = 0
     dtype = None
 
-    def close() -> None:
-        if len(run) > 1:
-            out.append((run, run[0][host].as_strided((numel,), (1,))))
+    def close(stop: int) -> None:
+        if stop - first > 1:
+            out.append((first, stop, hosts[first].as_strided((numel,), (1,))))
         else:
-            out.extend(([p], None) for p in run)
+            out.extend((i, i + 1, None) for i in range(first, stop))
 
-    # One pass, each tensor asked each thing once: this runs at every step for every
-    # gradient and weight (a few hundred LoRA adapters).
-    for pair in pairs:
-        h, d = pair[host], pair[1 - host]
+    # One pass, each tensor asked each thing once.
+    for i, h in enumerate(hosts):
         n, size, ptr = h.numel(), h.element_size(), h.data_ptr()
-        if not (0 < n * size <= PACK_MAX_BYTES and h.dtype == d.dtype and n == d.numel()
-                and h.is_contiguous() and d.is_contiguous() and not h.is_cuda):
-            close()
-            out.append(([pair], None))
-            run = []
+        if not (0 < n * size <= PACK_MAX_BYTES and h.is_contiguous() and not h.is_cuda):
+            close(i)
+            out.append((i, i + 1, None))
+            first, numel, dtype = i + 1, 0, None
             continue
         start = ptr - h.storage_offset() * size  # the first byte of its storage
-        if not run or ptr != end or h.dtype != dtype or start != base:
-            close()
-            run, numel, dtype, base = [], 0, h.dtype, start
-        run.append(pair)
+        if i == first or ptr != end or h.dtype != dtype or start != base:
+            close(i)
+            first, numel, dtype, base = i, 0, h.dtype, start
         numel, end = numel + n, ptr + n * size
-    close()
+    close(len(hosts))
     return out
 
 
@@ -170,6 +190,7 @@ class Transfers:
         self,
         pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
         before: Optional[Callable[[torch.Tensor], None]] = None,
+        runs_cache: Optional[dict] = None,
     ) -> Optional[object]:
         """Copy each ``(device_src, host_dst)``; returns an event to wait on (None if synchronous).
 
@@ -178,7 +199,7 @@ class Transfers:
 
         ``before(first_src)`` runs first, in the copies' stream order: device work on the
         way out (a check, a scale, a norm) that the host would otherwise do with a pass
-        over host memory.
+        over host memory. ``runs_cache``: see :func:`packed_runs`.
         """
         pairs = list(pairs)
         if not self.is_async:
@@ -187,7 +208,7 @@ class Transfers:
             for src, dst in pairs:
                 dst.copy_(src)
             return None
-        runs = packed_runs(pairs, host=1) if len(pairs) > 1 else [(pairs, None)]
+        runs = packed_runs(pairs, 1, runs_cache) if len(pairs) > 1 else [(pairs, None)]
         # A run is packed on the compute stream, where its sources were written: the
         # sources need no record_stream, and the packed copy is read by the side stream.
         packed = [torch._utils._flatten_dense_tensors([src for src, _ in run]) if span is not None else None
@@ -211,7 +232,8 @@ class Transfers:
         return event
 
     def to_device(
-        self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], after: Optional[object] = None
+        self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], after: Optional[object] = None,
+        runs_cache: Optional[dict] = None,
     ) -> Optional[object]:
         """Copy each ``(host_src, device_dst)``; returns the event of the last copy.
         ``device_dst`` may be a parameter (a leaf that requires grad); its version
@@ -221,7 +243,8 @@ class Transfers:
         event (``order_compute_after``) covers all earlier ones. The copies first wait
         for the work queued on the compute stream so far (the backward that read these
         weights), or only for ``after`` (an event from ``mark_compute``) when the compute
-        stream has since received work that does not read them.
+        stream has since received work that does not read them. ``runs_cache``: see
+        :func:`packed_runs`.
         """
         if not self.is_async:
             for src, dst in pairs:
@@ -233,7 +256,7 @@ class Transfers:
             self.h2d.wait_event(after)
             self._h2d_waits_for = after
         pairs = list(pairs)
-        for run, span in packed_runs(pairs, host=0) if len(pairs) > 1 else [(pairs, None)]:
+        for run, span in packed_runs(pairs, 0, runs_cache) if len(pairs) > 1 else [(pairs, None)]:
             if span is not None:
                 self._to_device_packed(run, span)
             elif self._runtime is not None and all(_plain_pair(src, dst) for src, dst in run):

@@ -67,6 +67,7 @@ class Updates:
         self._host_optimizer = host_optimizer  # (created with the first param group)
         self.grads, self.transfers, self.worker = grads, transfers, worker
         self.last_push = None  # event of the latest weight copy (copies complete in order)
+        self._runs_cache: dict = {}  # for transfer.packed_runs: our host buffers' runs
 
     # ------------------------------------------------------------------ planning
     def plan(self, param_groups: list[dict], grad_scale: Optional[float], check_each: bool,
@@ -208,7 +209,7 @@ class Updates:
         self.last_push = self.transfers.to_device(
             # The parameters themselves: detaching each would cost the GIL a round trip.
             [(slot.weight_source(), local_part(slot.param)) for slot in finite],
-            after=plan.pushes_after,
+            after=plan.pushes_after, runs_cache=self._runs_cache,
         )
         for slot in finite:
             plan.pushed[id(slot.param)] = self.last_push

@@ -35,11 +35,19 @@ def test_runs_hold_small_neighbours_and_leave_the_rest_alone():
     dev = [torch.empty(4, dtype=torch.bfloat16) for _ in range(5)]
     pairs = [(host[0], dev[0]), (host[1], dev[1]), (big, torch.empty_like(big)),
              (host[2], dev[2]), (host[4], dev[4]),  # host[3] skipped: a gap
-             (host[3], dev[3].float())]  # another dtype on the device side
-    runs = packed_runs(pairs, host=0)
-    shapes = [(len(run), span is not None) for run, span in runs]
-    assert shapes == [(2, True), (1, False), (1, False), (1, False), (1, False)], shapes
-    assert [p for run, _ in runs for p in run] == pairs  # issue order kept
+             (host[3], dev[3])]
+    cache = {}
+    for _ in range(2):  # worked out, then from the cache
+        runs = packed_runs(pairs, 0, cache)
+        shapes = [(len(run), span is not None) for run, span in runs]
+        assert shapes == [(2, True), (1, False), (1, False), (1, False), (1, False)], shapes
+        assert [p for run, _ in runs for p in run] == pairs  # issue order kept
+        assert len(cache) == 1
+    # The device side is checked at every call: a device tensor of another size, dtype or
+    # layout breaks its run up (each pair copied alone, as copy_ copies it).
+    for other in (dev[0][:3], dev[0].float(), torch.empty(8, dtype=torch.bfloat16)[::2]):
+        assert [len(run) for run, _ in packed_runs([(host[0], other), pairs[1]], 0, cache)] == [1, 1]
+    assert [len(run) for run, _ in packed_runs(pairs[:2], 0, cache)] == [2]
     strided = torch.empty(4, 2, dtype=torch.bfloat16).t()  # not contiguous: alone
     assert [len(run) for run, _ in packed_runs([(host[0], dev[0]), (strided, strided.clone())], host=0)] == [1, 1]
     # The other direction: the host tensor is the second of each pair.
@@ -69,3 +77,23 @@ def test_packed_runs_on_the_gpu_land_as_separate_copies_would(dtype):
     transfers.order_compute_after(transfers.to_device([(h, p) for h, p in zip(host, params)]))
     for p, h, v in zip(params, host, versions):
         assert torch.equal(p.detach().cpu(), h) and p._version == v
+
+
+@CUDA
+def test_on_the_gpu_strides_and_dtypes_land_as_copy_would():
+    """A device tensor that is not contiguous, or of another dtype, beside packable
+    neighbours lands element for element as ``copy_`` would put it."""
+    transfers = Transfers(torch.device("cuda"))
+    host = list(torch.zeros(3 * 64, dtype=torch.bfloat16).pin_memory().split(64))
+    grads = [torch.randn(8, 8, device="cuda").to(torch.bfloat16).t(),  # strided
+             torch.randn(64, device="cuda"),  # fp32 into a bf16 buffer: rounded as copy_ rounds
+             torch.randn(64, device="cuda").to(torch.bfloat16)]
+    Transfers.wait(transfers.to_host([(g, h) for g, h in zip(grads, host)], runs_cache={}))
+    for g, h in zip(grads, host):
+        assert torch.equal(h, torch.empty_like(h).copy_(g.reshape(-1).cpu()))
+    params = [torch.nn.Parameter(torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16).t()),
+              torch.nn.Parameter(torch.zeros(64, device="cuda")),
+              torch.nn.Parameter(torch.zeros(64, device="cuda", dtype=torch.bfloat16))]
+    transfers.order_compute_after(transfers.to_device([(h, p) for h, p in zip(host, params)], runs_cache={}))
+    for p, h in zip(params, host):
+        assert torch.equal(p.detach().reshape(-1).cpu(), h.to(p.dtype))

@@ -168,7 +168,7 @@ def test_failure_in_transfer_surfaces(overlap, monkeypatch):
     model = make_model()
     opt = offload(model, lr=1e-2, offload_gradients=True)
 
-    def broken(pairs, after=None):
+    def broken(pairs, *args, **kwargs):
         raise RuntimeError("injected transfer failure")
 
     monkeypatch.setattr(opt._transfers, "to_device", broken)

@@ -144,3 +144,22 @@ def test_checkpoint_without_master_weights_starts_from_device_weights():
     opt.load_state_dict(plain.state_dict())
     for p in trainable(model):
         assert torch.equal(opt._slots[p].master, p.float())
+
+
+def test_a_load_into_a_trained_optimizer_continues_from_the_loaded_state():
+    """Small bf16 tensors update in batches whose layout the optimizer works out once and
+    keeps; a load_state_dict into the same, already trained optimizer continues from the
+    loaded state, bit for bit as torch's fused AdamW continues from it."""
+    ref_model, model = twins("cpu", torch.bfloat16)
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
+    opt = offload(model, lr=1e-2)
+    train(model, opt, 2)  # its batches are worked out
+    train(ref_model, ref, 3)  # another history
+    model.load_state_dict(ref_model.state_dict())
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    train(ref_model, ref, 2, start=3)
+    train(model, opt, 2, start=3)
+    assert_same_params(ref_model, model, exact=True)
+    for index, entry in ref.state_dict()["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(opt.state_dict()["state"][index][key], value), (index, key)
