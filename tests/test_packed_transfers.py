@@ -84,16 +84,20 @@ def test_on_the_gpu_strides_and_dtypes_land_as_copy_would():
     """A device tensor that is not contiguous, or of another dtype, beside packable
     neighbours lands element for element as ``copy_`` would put it."""
     transfers = Transfers(torch.device("cuda"))
-    host = list(torch.zeros(3 * 64, dtype=torch.bfloat16).pin_memory().split(64))
+    flat = list(torch.zeros(4 * 64, dtype=torch.bfloat16).pin_memory().split(64))
+    host = [flat[0].view(8, 8), flat[1], flat[2], flat[3]]  # shaped as their parameters
     grads = [torch.randn(8, 8, device="cuda").to(torch.bfloat16).t(),  # strided
              torch.randn(64, device="cuda"),  # fp32 into a bf16 buffer: rounded as copy_ rounds
+             torch.randn(64, device="cuda").to(torch.bfloat16),
              torch.randn(64, device="cuda").to(torch.bfloat16)]
-    Transfers.wait(transfers.to_host([(g, h) for g, h in zip(grads, host)], runs_cache={}))
-    for g, h in zip(grads, host):
-        assert torch.equal(h, torch.empty_like(h).copy_(g.reshape(-1).cpu()))
+    want = [torch.empty_like(h).copy_(g.cpu()) for g, h in zip(grads, host)]
+    Transfers.wait(transfers.to_host(list(zip(grads, host)), runs_cache={}))
+    for h, w in zip(host, want):
+        assert torch.equal(h, w)
     params = [torch.nn.Parameter(torch.zeros(8, 8, device="cuda", dtype=torch.bfloat16).t()),
               torch.nn.Parameter(torch.zeros(64, device="cuda")),
+              torch.nn.Parameter(torch.zeros(64, device="cuda", dtype=torch.bfloat16)),
               torch.nn.Parameter(torch.zeros(64, device="cuda", dtype=torch.bfloat16))]
-    transfers.order_compute_after(transfers.to_device([(h, p) for h, p in zip(host, params)], runs_cache={}))
+    transfers.order_compute_after(transfers.to_device(list(zip(host, params)), runs_cache={}))
     for p, h in zip(params, host):
-        assert torch.equal(p.detach().reshape(-1).cpu(), h.to(p.dtype))
+        assert torch.equal(p.detach().cpu(), h.to(p.dtype))
