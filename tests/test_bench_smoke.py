@@ -177,7 +177,7 @@ def test_host_contention_runs_on_cpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="bench/pinning.py pins host memory for a CUDA device")
-def test_pinning_benchmark_runs(tmp_path):
+def test_pinning_benchmark_runs_on_the_gpu(tmp_path):
     """bench/pinning.py pins a small block by each method and records the phases."""
     out = tmp_path / "pinning.json"
     run = subprocess.run([sys.executable, str(REPO / "bench" / "pinning.py"), "--gib", "0.25",
@@ -190,7 +190,7 @@ def test_pinning_benchmark_runs(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="bench/copy_issue_cost.py issues copies to a CUDA device")
-def test_copy_issue_cost_benchmark_runs(tmp_path):
+def test_copy_issue_cost_benchmark_runs_on_the_gpu(tmp_path):
     """bench/copy_issue_cost.py times both ways of issuing copies, alone and beside a
     thread launching kernels."""
     out = tmp_path / "issue.json"
