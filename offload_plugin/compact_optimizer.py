@@ -66,6 +66,8 @@ class CompactAdamW(Optimizer):
     # CPUOffloadOptimizer refuses it with device_fraction and with other than bf16
     # parameters: its update runs on the bf16 host copies only.
     bf16_host_only = True
+    # step(grad_scale=...) applies a gradient scale inside its pass (see step).
+    scales_gradients_in_step = True
     # Group keys a checkpoint may lack: bitsandbytes' AdamW8bit has no "master" (its state
     # entries convert, see check_state_entry).
     optional_group_keys = ("master", "min_8bit_size")

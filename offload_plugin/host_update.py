@@ -265,7 +265,7 @@ def update_slots(
     # their dtype as scale_grads would and in place (the host copy is this step's alone): a
     # scaled copy of each gradient is fresh memory at every step, whose page faults cost
     # more than an update (Llama-3.1-8B, CompactAdamW, H200 host: 4.96 s a step that way).
-    scales_inside = getattr(optimizer, "bf16_host_only", False)
+    scales_inside = getattr(optimizer, "scales_gradients_in_step", False)
     for slot in generic:
         g = slot.grad
         if grad_scale is not None and not scales_inside:

@@ -48,10 +48,11 @@ def packed_runs(pairs: list, host: int, cache: Optional[dict] = None) -> list[tu
     ``cache`` (a dict its caller keeps as long as the host tensors): the split depends only
     on the host tensors, which are the same buffers step after step, so it is worked out
     once per sequence of them; only the device tensors are checked each time."""
-    key = tuple(id(pair[host]) for pair in pairs)
+    hosts = [pair[host] for pair in pairs]
+    key = tuple(map(id, hosts))
     entry = cache.get(key) if cache is not None else None
     if entry is None:
-        entry = ([pair[host] for pair in pairs], _host_runs([pair[host] for pair in pairs]))
+        entry = (hosts, _host_runs(hosts))
         if cache is not None:
             if len(cache) > 64:  # (the batches change with the gradients' arrival order)
                 cache.clear()
