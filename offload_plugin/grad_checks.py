@@ -15,7 +15,7 @@ import torch
 
 from offload_plugin import native_adam
 
-__all__ = ["NONFINITE_POLICIES", "all_finite", "FiniteRecord"]
+__all__ = ["NONFINITE_POLICIES", "all_finite", "finite_on_device", "FiniteRecord"]
 
 NONFINITE_POLICIES = ("skip", "raise")
 
@@ -37,7 +37,7 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
         if t.numel() == 0:
             continue
         if t.is_cuda:
-            on_gpu.setdefault((t.device, t.dtype), []).append(t)
+            on_gpu.setdefault(t.device, []).append(t)
             continue
         native = native_adam.finite(t)  # host tensors: one native pass, one call
         if native is not None:
@@ -58,19 +58,39 @@ def _extremes_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
-def _gpu_all_finite(groups: dict) -> bool:
-    """Each group (same device and dtype) in one read-only multi-tensor pass, torch's
-    ``_foreach_norm`` with ord 1 (as ``clip_grad_norm_`` runs it): a sum of absolute
-    values is NaN or inf if any element is. It can also overflow for finite values near
-    the dtype's largest; only then are the groups checked again exactly, per tensor."""
+def _gpu_all_finite(by_device: dict) -> bool:
+    """The tensors of each device in read-only multi-tensor passes (:func:`finite_on_device`),
+    one wait; only if a sum is not finite are they checked again exactly, per tensor."""
     # One verdict per device, each norm already there (a .to() per norm cost ~2 us each).
-    verdicts: dict = {}
-    for (device, _), group in groups.items():
-        found = torch.stack(torch._foreach_norm(group, 1)).isfinite().all()
-        verdicts[device] = found if device not in verdicts else verdicts[device] & found
-    if all(bool(v) for v in verdicts.values()):
+    verdicts = [finite_on_device(group) for group in by_device.values()]
+    if all(bool(v) for v in verdicts):
         return True
-    return all(_extremes_finite(t) for group in groups.values() for t in group)
+    return all(_extremes_finite(t) for group in by_device.values() for t in group)
+
+
+def finite_on_device(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A bool tensor on the tensors' device (one device), computed without waiting for it:
+    True means that every element is finite; False that one may not be, which
+    :func:`all_finite` must confirm.
+
+    Per dtype, torch's ``_foreach_norm`` with ord 1 (as ``clip_grad_norm_`` runs it): a sum
+    of absolute values is NaN or inf if any element is, and it can also overflow for
+    finite values near the dtype's largest (hence "may"). Host tensors get
+    :func:`all_finite`'s exact answer (a native pass is faster there than a norm)."""
+    if tensors and not tensors[0].is_cuda:
+        return torch.tensor(all_finite(tensors))
+    by_dtype: dict = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    found = None
+    for group in by_dtype.values():
+        ok = torch.stack(torch._foreach_norm(group, 1)).isfinite().all()
+        found = ok if found is None else found & ok
+    if found is None:
+        device = tensors[0].device if tensors else "cpu"
+        return torch.ones((), dtype=torch.bool, device=device)
+    return found
 
 
 class FiniteRecord:

@@ -147,8 +147,7 @@ class _Batch:
     tensors: list  # master, grad, exp_avg, exp_avg_sq[, weight_stage] lists
     spans: Optional[list]  # back_to_back of each list, or None if any is not
     usable: bool  # moments contiguous and step counts float32 scalars (else slot by slot)
-    counts: torch.Tensor  # the step counts side by side, float32 as torch keeps them,
-    cells: list  # and a 0-d view of each
+    counts: torch.Tensor  # the step counts side by side (each state["step"] a view of one)
 
 
 # host optimizer -> {ids of a batch's slots: _Batch}; weak, so that it goes with its optimizer.
@@ -174,9 +173,15 @@ def _batch(optimizer: Optimizer, slots: list[HostSlot], states: list[dict]) -> _
     usable = all(st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous()
                  and st["step"].dtype == torch.float32 and st["step"].dim() == 0 for st in states)
     counts = torch.zeros(len(slots), dtype=torch.float32)
+    if usable:
+        # Each state["step"] becomes a 0-d view of one tensor of counts, with its value:
+        # one add_ then advances them all (a copy in and out per slot cost 0.4 ms of a step
+        # over 192 LoRA adapters on the H200), and an in-place change of one still shows.
+        counts.copy_(torch.stack([st["step"] for st in states]))
+        for st, cell in zip(states, counts.unbind()):
+            st["step"] = cell
     batch = _Batch(list(slots), [(st, st["step"], st["exp_avg"], st["exp_avg_sq"]) for st in states],
-                   tensors, None if any(span is None for span in spans) else spans, usable,
-                   counts, list(counts.unbind()))
+                   tensors, None if any(span is None for span in spans) else spans, usable, counts)
     if len(batches) > 64:  # (plans cut new batches when arrival order changes)
         batches.clear()
     batches[key] = batch
@@ -202,12 +207,7 @@ def _fused_adam_many(
         for slot in slots:  # e.g. state loaded with another layout
             _fused_adam_update(optimizer, group, slot, grad_scale)
         return
-    step_counts = [h[1] for h in batch.held]
-    # As each slot's state["step"] += 1 (float32), in three torch calls instead of one
-    # per slot (torch's foreach add of a scalar on the CPU is a loop of them).
-    torch._foreach_copy_(batch.cells, step_counts)
-    batch.counts.add_(1)
-    torch._foreach_copy_(step_counts, batch.cells)
+    batch.counts.add_(1)  # each slot's state["step"] += 1 (float32): they are its views
     steps = batch.counts.tolist()
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     beta1, beta2 = group["betas"]

@@ -488,12 +488,20 @@ class CPUOffloadOptimizer(Optimizer):
     def _ready_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(param, gradient)`` for :meth:`_ready_grads`, in parameter order; a DTensor's
         gradient as its local shard; parameters updated on the device with their ``.grad``."""
-        host = {s.param: s.grad for s in self._settled_host_grads()} if self.offload_gradients else {}
+        if not self.offload_gradients:
+            pairs = []
+            for p in self._params():
+                grad = p.grad
+                if grad is not None:
+                    check_dense(grad)
+                    pairs.append((p, local_part(grad)))
+            return pairs
+        host = {id(s.param): s.grad for s in self._settled_host_grads()}
         pairs = []
         for p in self._params():
-            if p in host:
-                pairs.append((p, host[p]))
-            elif p.grad is not None and (not self.offload_gradients or p not in self._slots):
+            if id(p) in host:
+                pairs.append((p, host[id(p)]))
+            elif p.grad is not None and p not in self._slots:
                 check_dense(p.grad)
                 pairs.append((p, local_part(p.grad)))
         return pairs

@@ -183,6 +183,7 @@ class Transfers:
         self._runtime = _CudaRuntime.load() if self.is_async else None
         self._h2d_waits_for = None  # the `after` event the h2d stream already waits for
         self._device_stage: dict = {}  # dtype -> device buffer that packed runs land in
+        self._views: dict = {}  # (span, stage) -> views of the stage (see _stage_views)
 
     def _compute_stream(self):
         return torch.cuda.current_stream(self.device)
@@ -192,6 +193,7 @@ class Transfers:
         pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
         before: Optional[Callable[[torch.Tensor], None]] = None,
         runs_cache: Optional[dict] = None,
+        judge: Optional[Callable[[list], None]] = None,
     ) -> Optional[object]:
         """Copy each ``(device_src, host_dst)``; returns an event to wait on (None if synchronous).
 
@@ -200,12 +202,16 @@ class Transfers:
 
         ``before(first_src)`` runs first, in the copies' stream order: device work on the
         way out (a check, a scale, a norm) that the host would otherwise do with a pass
-        over host memory. ``runs_cache``: see :func:`packed_runs`.
+        over host memory. ``judge(sources)`` likewise, with every device tensor the copies
+        read (a packed run as its one packed tensor); whatever it copies to the host is
+        there once the returned event has completed. ``runs_cache``: see :func:`packed_runs`.
         """
         pairs = list(pairs)
         if not self.is_async:
             if before is not None:
                 before(pairs[0][0])
+            if judge is not None:
+                judge([src for src, _ in pairs])
             for src, dst in pairs:
                 dst.copy_(src)
             return None
@@ -218,6 +224,9 @@ class Transfers:
         with torch.cuda.stream(self.d2h):
             if before is not None:
                 before(pairs[0][0])
+            if judge is not None:
+                judge([src for (run, _), flat in zip(runs, packed)
+                       for src in ([flat] if flat is not None else [s for s, _ in run])])
             for (run, span), flat in zip(runs, packed):
                 if span is not None:
                     span.copy_(flat, non_blocking=True)
@@ -280,13 +289,28 @@ class Transfers:
             if stage is None or stage.numel() < span.numel():
                 stage = torch.empty(span.numel(), dtype=span.dtype, device=self.device)
                 self._device_stage[span.dtype] = stage
+                self._views.clear()  # (they would keep the old buffer alive)
             stage = stage[:span.numel()]
             if self._runtime is not None:
                 self._runtime.copy_to_device([(span, stage)], self.device.index, self.h2d.cuda_stream)
             else:
                 stage.copy_(span, non_blocking=True)
             dsts = [dst.data for _, dst in run]  # (.data: as above)
-            torch._foreach_copy_(dsts, torch._utils._unflatten_dense_tensors(stage, dsts))
+            torch._foreach_copy_(dsts, self._stage_views(stage, span, [src for src, _ in run]))
+
+    def _stage_views(self, stage: torch.Tensor, span: torch.Tensor, hosts: list) -> list:
+        """Views of ``stage`` shaped as ``hosts`` (whose span is ``span``), made once per span
+        and stage buffer: the same runs go out at every step, and making the views was 0.4
+        ms of a 6 ms step over 192 LoRA adapters (H200). A span is packed_runs' cached
+        object for the same host tensors, and the entry holds it, so its id stays its own."""
+        key = (id(span), stage.data_ptr())
+        entry = self._views.get(key)
+        if entry is None or entry[0] is not span:
+            if len(self._views) > 64:
+                self._views.clear()
+            entry = (span, torch._utils._unflatten_dense_tensors(stage, hosts))
+            self._views[key] = entry
+        return entry[1]
 
     def mark_compute(self) -> Optional[object]:
         """An event after the work queued on the compute stream so far (None if synchronous)."""
@@ -307,12 +331,17 @@ class Transfers:
             self._compute_stream().wait_event(event)
 
     @staticmethod
+    def waited(event: Optional[object]) -> bool:
+        """Whether :meth:`wait` would return at once without a call into CUDA."""
+        return event is None or event is _last_completed[0]
+
+    @staticmethod
     def wait(event: Optional[object]) -> None:
         """Block the host until ``event`` (from to_host/to_device) has completed."""
         # query() keeps the GIL; synchronize() gives it up and must win it back from a
         # training thread launching kernels, even for a copy that landed long ago. The
         # slots of a batch share one event: once it has completed, skip even the query.
-        if event is None or event is _last_completed[0]:
+        if Transfers.waited(event):
             return
         if not event.query():
             event.synchronize()

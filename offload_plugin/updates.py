@@ -10,6 +10,7 @@ it runs, so a schedule can reorder what is left (early_forward puts it in forwar
 from __future__ import annotations
 
 import dataclasses
+import operator
 import threading
 import time
 from functools import partial
@@ -28,6 +29,8 @@ from offload_plugin.transfer import Transfers
 
 __all__ = ["StepPlan", "Updates"]
 
+_by_order = operator.attrgetter("order")
+
 
 @dataclasses.dataclass
 class StepPlan:
@@ -37,7 +40,7 @@ class StepPlan:
     grad_scale: Optional[float]  # multiply each gradient by this in its update
     check_each: bool  # no whole-step inf/NaN verdict: each update judges its own gradient
     clip_coef: Optional[torch.Tensor]  # left by clip_grad_norm_ for the updates to apply
-    submitted: set = dataclasses.field(default_factory=set)  # masters handed to the worker
+    submitted: set = dataclasses.field(default_factory=set)  # ids of masters handed to the worker
     nonfinite: list = dataclasses.field(default_factory=list)  # slots spared (inf/NaN)
     device_updated: int = 0  # partial offload: parameters updated on the device,
     device_nonfinite: int = 0  # and those spared there
@@ -104,7 +107,7 @@ class Updates:
     # ------------------------------------------------------------------ submitting
     def submit(self, plan: StepPlan, slots: list[HostSlot]) -> None:
         """Queue the updates of ``slots`` (small slots go to the worker several at a time)."""
-        plan.submitted.update(slot.master for slot in slots)
+        plan.submitted.update(id(slot.master) for slot in slots)
         jobs = 0
         with plan.todo_lock:
             plan.todo.extend(slots)
@@ -182,18 +185,20 @@ class Updates:
     def _update_and_push(self, plan: StepPlan, slots: list[HostSlot]) -> None:
         trace = self.worker.trace
         start_job = time.perf_counter() if trace is not None else 0.0
-        finite = []
         # In the order of their host buffers: neighbours update and travel packed.
-        for slot in sorted(slots, key=lambda s: s.order):
-            start = time.perf_counter()
-            self.grads.settle(slot)
-            self.worker.waited_s += time.perf_counter() - start
+        ordered = sorted(slots, key=_by_order)
+        start = time.perf_counter()
+        settle = self.grads.settle
+        for slot in ordered:
+            settle(slot)
+        self.worker.waited_s += time.perf_counter() - start
+        finite = ordered
+        if plan.check_each:
             # Updates that overlap backward cannot wait for a verdict on all gradients:
             # each checks its own before touching the master weight or the state.
-            if plan.check_each and not self.grads.landed_finite(slot):
-                plan.nonfinite.append(slot)
-            else:
-                finite.append(slot)
+            finite = []
+            for slot in ordered:
+                (finite if self.grads.landed_finite(slot) else plan.nonfinite).append(slot)
         if not finite:
             return
         grad_scale = plan.grad_scale

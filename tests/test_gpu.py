@@ -142,3 +142,39 @@ def test_gradient_check_on_the_gpu_finds_any_nonfinite_value_and_changes_nothing
         tensors[i][-1] = bad
         assert not grad_checks.all_finite(tensors), i
         tensors[i].copy_(before[i])
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_plain_step_on_the_gpu_judges_gradients_as_they_leave(bad):
+    """A plain step judges the gradients on the device as they are copied (packed small ones
+    and a large one alone): one inf or NaN anywhere skips the step with nothing changed;
+    finite steps (one whose sum of absolute values overflows among them) match torch's
+    fused AdamW on host copies bit for bit."""
+    from offload_plugin.transfer import PACK_MAX_BYTES
+
+    torch.manual_seed(0)
+    shapes = [(8, 64)] * 40 + [(PACK_MAX_BYTES // 2 + 64,)]  # bf16: the last one is copied alone
+    params = [nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16)) for s in shapes]
+    host = [nn.Parameter(p.detach().cpu().clone()) for p in params]
+    opt = offload(nn.ParameterList(params), lr=1e-2, fused=True)
+    ref = torch.optim.AdamW(host, lr=1e-2, fused=True)
+    for step in range(4):
+        grads = [torch.randn(s, dtype=torch.bfloat16) for s in shapes]
+        poisoned = step in (1, 2)
+        if poisoned:  # a small (packed) gradient at step 1, the large one at step 2
+            grads[7 if step == 1 else -1].view(-1)[3] = bad
+        if step == 3:  # finite, but the sum of absolute values overflows: still taken
+            grads[5].fill_(torch.finfo(torch.bfloat16).max / 2)
+        for p, g in zip(params, grads):
+            p.grad = g.cuda()
+        before = [p.detach().clone() for p in params]
+        opt.step()
+        opt.zero_grad()
+        if poisoned:
+            assert all(torch.equal(p, b) for p, b in zip(params, before)), step
+            continue
+        for p, g in zip(host, grads):
+            p.grad = g
+        ref.step()
+        ref.zero_grad()
+        assert all(torch.equal(p.cpu(), h.detach()) for p, h in zip(params, host)), step

@@ -127,20 +127,45 @@ def test_overlapped_update_checks_the_accumulated_sum_not_the_last_micro_batch(c
 
 @pytest.mark.parametrize("offload_gradients", [False, True])
 def test_scaling_detects_nonfinite_without_a_second_pass(offload_gradients, monkeypatch):
-    """After scale_grads, step() reuses its verdict; a gradient changed since is scanned again."""
-    scans = []
-    real = grad_checks.all_finite
+    """After scale_grads, step() reuses its verdict; a gradient changed since is scanned
+    again (gradients left on the device: by the device, as they are copied to the host)."""
+    scans, on_the_way = [], []
+    real, real_on_device = grad_checks.all_finite, grad_checks.finite_on_device
     monkeypatch.setattr(grad_checks, "all_finite", lambda ts: scans.append(len(ts)) or real(ts))
+    monkeypatch.setattr(grad_checks, "finite_on_device",
+                        lambda ts: on_the_way.append(sum(t.numel() for t in ts)) or real_on_device(ts))
     model = make_model()
     opt = offload(model, lr=1e-2, offload_gradients=offload_gradients)
     x, y = batch(0, 0, "cpu")
     ((model(x) - y) ** 2).sum().backward()
     opt.scale_grads(0.5)
     opt.step()
-    assert scans == []
+    assert scans == [] and on_the_way == []
     ((model(x) - y) ** 2).sum().backward()  # without zero_grad: accumulates onto the grads
     opt.step()
-    assert scans == [4]
+    if offload_gradients:
+        assert scans == [4] and on_the_way == []
+    else:  # every trainable element, once, as it is copied (on the CPU by all_finite itself)
+        assert on_the_way == [sum(p.numel() for p in model.parameters() if p.requires_grad)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_finite_gradients_whose_sum_overflows_are_not_skipped(dtype, caplog):
+    """The device's verdict is a sum of absolute values, which overflows for finite values
+    near the dtype's largest: such a step is confirmed finite and taken, as torch takes it."""
+    g = torch.full((8,), torch.finfo(dtype).max / 2, dtype=dtype)
+    ours = torch.nn.Parameter(torch.ones(8, dtype=dtype))
+    theirs = torch.nn.Parameter(torch.ones(8, dtype=dtype))
+    opt = CPUOffloadOptimizer([ours], lr=1e-2, fused=True)
+    ref = torch.optim.AdamW([theirs], lr=1e-2, fused=True)
+    with caplog.at_level(logging.WARNING, logger="offload_plugin"):
+        for p, o in ((ours, opt), (theirs, ref)):
+            p.grad = g.clone()
+            o.step()
+    assert "inf or NaN" not in caplog.text
+    assert float(opt.state[ours]["step"]) == 1  # taken (the weight may round back to 1)
+    assert torch.equal(ours.detach(), theirs.detach())
+    assert torch.equal(opt.state[ours]["exp_avg"], ref.state[theirs]["exp_avg"])
 
 
 def test_failure_in_host_update_surfaces_with_its_traceback(monkeypatch):

@@ -23,14 +23,30 @@ def start(opt) -> Optional[StepPlan]:
     opt._scaling.warn_if_unscaled(opt.param_groups)
     # A grad_scale that overlap_next_step left to step() is applied by _grads_in_place.
     grads = opt._grads_in_place("step()") if opt._overlap is not None else opt._ready_grads()
-    if not opt._scaling.step_is_finite(grads, opt._slots.meshes):
+    if _judged_on_the_way(opt, grads):
+        # The gradients go to the host now and the device judges them as they leave; a
+        # "may not be finite" (or a skip) is confirmed exactly. A skipped step's copies only
+        # filled this step's own host gradients.
+        finite = (opt._grads.copy_at_step(opt._slots.in_order(opt._params()), judge=True)
+                  or grad_checks.all_finite(grads))
+    else:
+        finite = opt._scaling.step_is_finite(grads, opt._slots.meshes)
+        if finite and not opt.offload_gradients:
+            opt._grads.copy_at_step(opt._slots.in_order(opt._params()))
+    if not finite:
         opt._scaling.report_skipped_step(grads)
         return None
-    if not opt.offload_gradients:
-        opt._grads.copy_at_step(opt._slots.in_order(opt._params()))
     opt._running = opt._updates.plan(opt.param_groups, grad_scale=None, check_each=False,
                                      clip_coef=opt._scaling.clip_coef)
     return opt._running
+
+
+def _judged_on_the_way(opt, grads: list) -> bool:
+    """Whether copy_at_step should also give the inf/NaN verdict: the plain step of device
+    gradients that no scale or clip judged already, all of them copied by it (not those
+    kept on the device with device_fraction), on one rank (sharded: the ranks agree first)."""
+    return (not opt.offload_gradients and opt._device_share is None and not opt._slots.sharded
+            and opt._scaling.finite.finite(grads) is None)
 
 
 def submit_the_rest(opt, plan: StepPlan) -> None:
@@ -39,7 +55,7 @@ def submit_the_rest(opt, plan: StepPlan) -> None:
     for slot in opt._slots.in_order(opt._params()):
         if opt.offload_gradients and slot.param.grad is not None:
             opt._offload_grad(slot.param)  # set by hand; offloading submits it
-        elif slot.has_grad and slot.master not in plan.submitted:
+        elif slot.has_grad and id(slot.master) not in plan.submitted:
             rest.append(slot)
     if rest:
         opt._submit(plan, rest)

@@ -94,7 +94,7 @@ def _submit(opt, plan: StepPlan) -> None:
         if slot.grad_spare is not None:  # the next backward lands in the other one
             slot.grad, slot.grad_spare = slot.grad_spare, slot.grad
         slot.has_grad, slot.grad_event = False, None
-        plan.submitted.add(slot.master)
+        plan.submitted.add(id(slot.master))
         batch.add((slot, job_slot), slot.master.numel())
     batch.flush()
     opt._pending.plan = plan
@@ -126,7 +126,7 @@ def release_for_push(opt, slot: HostSlot) -> None:
     """The last backward before step() is done with ``slot``'s weight."""
     pending = opt._pending
     with pending.push_lock:
-        if pending.plan is not None and slot.master in pending.plan.submitted:
+        if pending.plan is not None and id(slot.master) in pending.plan.submitted:
             _allow_push(opt, slot)
 
 
@@ -157,7 +157,7 @@ def finish(opt) -> None:
     try:
         with pending.push_lock:
             for slot in opt._slots:
-                if slot.master in plan.submitted:
+                if id(slot.master) in plan.submitted:
                     _allow_push(opt, slot)
         opt._worker.drain()  # jobs that finish now push their own weights
     finally:

@@ -29,7 +29,7 @@ def start(opt, grad_scale: Optional[float], newest_first: bool) -> None:
 def refuse_changes_during_step(opt, plan: StepPlan) -> None:
     """Updates that started during backward read the host copies before a change made
     between overlap_next_step() and step() could count: refuse it, then follow it."""
-    edited = [s for s in changed_slots(opt._slots) if s.master in plan.submitted]
+    edited = [s for s in changed_slots(opt._slots) if id(s.master) in plan.submitted]
     if edited:
         for slot in edited:
             adopt_weight(slot)

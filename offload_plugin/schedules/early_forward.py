@@ -36,7 +36,7 @@ def return_early(opt, plan: StepPlan) -> None:
     with plan.todo_lock:
         plan.todo.sort(key=lambda slot: slot.order)
         plan.landed_first = True
-    plan.gates = {id(slot.param): slot for slot in opt._slots if slot.master in plan.submitted}
+    plan.gates = {id(slot.param): slot for slot in opt._slots if id(slot.master) in plan.submitted}
     plan.hook = torch.nn.modules.module.register_module_forward_pre_hook(partial(_gate, opt))
     opt._returned_early = plan
 

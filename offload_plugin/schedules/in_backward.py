@@ -34,7 +34,7 @@ def step(opt) -> None:
     for slot in opt._slots.in_order(opt._params()):
         if slot.param.grad is not None:
             opt._grads.offload(slot, extremes=True, add_in_worker=False)
-        if slot.has_grad and slot.master not in plan.submitted:
+        if slot.has_grad and id(slot.master) not in plan.submitted:
             opt._submit(plan, [slot])
     opt._updates.flush(plan)
     after_backward.step_on_device(opt, plan)
@@ -47,7 +47,7 @@ def step(opt) -> None:
 
 
 def in_flight(opt) -> set:
-    """Masters whose update this backward queued and has not waited for."""
+    """Ids of the masters whose update this backward queued and has not waited for."""
     return {m for plan in opt._in_backward for m in plan.submitted}
 
 
