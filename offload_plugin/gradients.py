@@ -39,6 +39,18 @@ def check_dense(grad: torch.Tensor) -> None:
 COPY_BATCH_BYTES = 16 * 2**20  # ~0.3 ms of a PCIe/NVLink copy: small against a step
 
 
+def _reset_slot(slot: HostSlot, set_to_none: bool) -> None:
+    """GradientPath.reset of one slot whose copies have landed."""
+    if slot.incoming_pending or not set_to_none:
+        slot.extremes_current = False
+    if slot.has_grad and not set_to_none:
+        slot.grad.zero_()
+    else:
+        slot.has_grad = False
+    slot.incoming_pending = False
+    slot.grad_event = slot.incoming_event = None
+
+
 def _judge_into(flag: torch.Tensor, sources: list) -> None:
     """copy_at_step's verdict on the tensors a copy batch reads, into the host bool ``flag``."""
     flag.copy_(grad_checks.finite_on_device(sources), non_blocking=True)
@@ -199,16 +211,12 @@ class GradientPath:
             if id(slot.master) in keep:
                 slot.has_grad = False
                 continue
+            if slot.grad_event is None and slot.incoming_event is None and not slot.incoming_pending:
+                _reset_slot(slot, set_to_none)  # nothing in flight (the usual case): no lock
+                continue
             # Let in-flight copies land before their buffers count as free again. The lock:
             # with delayed_update the worker may be adding an accumulated gradient.
             with slot.settle_lock:
                 Transfers.wait(slot.grad_event)
                 Transfers.wait(slot.incoming_event)
-                if slot.incoming_pending or not set_to_none:
-                    slot.extremes_current = False
-                if slot.has_grad and not set_to_none:
-                    slot.grad.zero_()
-                else:
-                    slot.has_grad = False
-                slot.incoming_pending = False
-                slot.grad_event = slot.incoming_event = None
+                _reset_slot(slot, set_to_none)
