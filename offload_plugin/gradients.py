@@ -156,19 +156,13 @@ class GradientPath:
         incoming = slot.incoming_event if slot.incoming_pending else None
         return Transfers.landed(slot.grad_event) and Transfers.landed(incoming)
 
-    def copy_at_step(self, slots, judge: bool = False) -> Optional[bool]:
-        """Without offload_gradients: the recipe has finished with ``.grad`` (scaling,
-        clipping); copy each to its slot.
-
-        ``judge``: also tell whether every gradient copied is finite (True), or one may not
-        be (False: :func:`grad_checks.all_finite` must confirm), which waits for the copies.
-        The device judges what it sends, each packed run as one tensor, and its verdicts
-        come with the copies: no pass over host memory, and no wait of its own (a separate
-        check before the copies cost 1.2 of a 7 ms step over 192 LoRA adapters on the H200).
-        """
-        # Copies go in batches of about COPY_BATCH_BYTES with one event each: a few hundred
-        # LoRA adapters would otherwise pay a stream switch and an event apiece, while a
-        # large gradient keeps an event of its own, so that its update starts once it lands.
+    @staticmethod
+    def copy_batches(slots) -> list[list[HostSlot]]:
+        """Without offload_gradients: the slots of ``slots`` with a device gradient, in
+        batches of about COPY_BATCH_BYTES, each copied with one event by copy_at_step."""
+        # A few hundred LoRA adapters would otherwise pay a stream switch and an event
+        # apiece, while a large gradient keeps an event of its own, so that its update
+        # starts once it lands.
         batches, batch, size = [], [], 0
         for slot in slots:
             if slot.param.grad is None:
@@ -180,6 +174,20 @@ class GradientPath:
                 batch, size = [], 0
         if batch:
             batches.append(batch)
+        return batches
+
+    def copy_at_step(self, batches: list[list[HostSlot]], judge: bool = False) -> Optional[bool]:
+        """Without offload_gradients: the recipe has finished with ``.grad`` (scaling,
+        clipping); copy each to its slot, batch by batch (:meth:`copy_batches`).
+
+        ``judge``: also tell whether every gradient copied is finite (True), or one may not
+        be (False: :func:`grad_checks.all_finite` must confirm), which waits for all the
+        copies. The device judges what it sends, each packed run as one tensor, and its
+        verdicts come with the copies: no pass over host memory and no wait of its own (a
+        separate check before the copies cost 1.2 of a 7 ms step over 192 LoRA adapters on
+        the H200). Worth it for one batch only: with several, updates could start as the
+        first ones land.
+        """
         flags = self._verdict_flags(len(batches)) if judge else None
         events = [self._copy_batch(b, flags[i] if judge else None) for i, b in enumerate(batches)]
         if not judge:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import offload_plugin
+import offload_plugin.gradients as gradients
 import offload_plugin.grad_checks as grad_checks
 import offload_plugin.host_update as host_update
 import offload_plugin.optimizer as optimizer_module
@@ -64,6 +65,34 @@ def test_nonfinite_step_is_skipped_and_training_continues(offload_gradients, cli
     assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters()))
     train(ref_model, ref, 2, start=3, clip=clip)
     train(model, opt, 2, start=3, clip=clip, via_optimizer=True)
+    assert_same_params(ref_model, model, exact=True)
+
+
+@pytest.mark.parametrize("copy_batch_bytes", [None, 64])
+def test_unjudged_nonfinite_step_is_skipped_whether_judged_on_the_way_or_first(copy_batch_bytes, monkeypatch, caplog):
+    """With torchtune's own scale_grads (no verdict from the optimizer), a plain step judges
+    the gradients itself: on their way to the host when they go in one copy batch, before
+    any copy when in several (so that updates can start as batches land). Either way an
+    inf skips the step with nothing changed, and training then matches torch's AdamW."""
+    on_the_way = []
+    real_on_device = grad_checks.finite_on_device
+    monkeypatch.setattr(grad_checks, "finite_on_device", lambda ts: on_the_way.append(len(ts)) or real_on_device(ts))
+    if copy_batch_bytes is not None:
+        monkeypatch.setattr(gradients, "COPY_BATCH_BYTES", copy_batch_bytes)
+    ref_model, model = twins()
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
+    opt = offload(model, lr=1e-2)
+    train(ref_model, ref, 2)
+    train(model, opt, 2)
+    assert bool(on_the_way) == (copy_batch_bytes is None)
+    snap = _snapshot(opt)
+    _poison_next_backward(model)
+    with caplog.at_level(logging.WARNING, logger="offload_plugin"):
+        train(model, opt, 1, start=2)
+    assert "the step was skipped" in caplog.text
+    _assert_unchanged(opt, snap)
+    train(ref_model, ref, 2, start=3)
+    train(model, opt, 2, start=3)
     assert_same_params(ref_model, model, exact=True)
 
 

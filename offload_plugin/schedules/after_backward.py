@@ -23,16 +23,16 @@ def start(opt) -> Optional[StepPlan]:
     opt._scaling.warn_if_unscaled(opt.param_groups)
     # A grad_scale that overlap_next_step left to step() is applied by _grads_in_place.
     grads = opt._grads_in_place("step()") if opt._overlap is not None else opt._ready_grads()
-    if _judged_on_the_way(opt, grads):
-        # The gradients go to the host now and the device judges them as they leave; a
-        # "may not be finite" (or a skip) is confirmed exactly. A skipped step's copies only
-        # filled this step's own host gradients.
-        finite = (opt._grads.copy_at_step(opt._slots.in_order(opt._params()), judge=True)
-                  or grad_checks.all_finite(grads))
+    batches = [] if opt.offload_gradients else opt._grads.copy_batches(opt._slots.in_order(opt._params()))
+    if len(batches) == 1 and _judged_on_the_way(opt, grads):
+        # One copy batch (LoRA adapters, a small model): the gradients go to the host now
+        # and the device judges them as they leave; a "may not be finite" (or a skip) is
+        # confirmed exactly. A skipped step's copies only filled this step's host gradients.
+        finite = opt._grads.copy_at_step(batches, judge=True) or grad_checks.all_finite(grads)
     else:
         finite = opt._scaling.step_is_finite(grads, opt._slots.meshes)
-        if finite and not opt.offload_gradients:
-            opt._grads.copy_at_step(opt._slots.in_order(opt._params()))
+        if finite:
+            opt._grads.copy_at_step(batches)
     if not finite:
         opt._scaling.report_skipped_step(grads)
         return None
@@ -42,9 +42,9 @@ def start(opt) -> Optional[StepPlan]:
 
 
 def _judged_on_the_way(opt, grads: list) -> bool:
-    """Whether copy_at_step should also give the inf/NaN verdict: the plain step of device
-    gradients that no scale or clip judged already, all of them copied by it (not those
-    kept on the device with device_fraction), on one rank (sharded: the ranks agree first)."""
+    """Whether copy_at_step may give the inf/NaN verdict: the plain step of device gradients
+    that no scale or clip judged already, all of them copied by it (not those kept on the
+    device with device_fraction), on one rank (sharded: the ranks agree first)."""
     return (not opt.offload_gradients and opt._device_share is None and not opt._slots.sharded
             and opt._scaling.finite.finite(grads) is None)
 

@@ -61,7 +61,7 @@ def step(opt) -> None:
                 opt._scaling.report_skipped_step(grads)
                 return
             if not opt.offload_gradients:
-                opt._grads.copy_at_step(opt._slots.in_order(opt._params()))
+                opt._grads.copy_at_step(opt._grads.copy_batches(opt._slots.in_order(opt._params())))
             plan = opt._updates.plan(opt.param_groups, grad_scale=None, check_each=False,
                                      clip_coef=None, wait_pushes=False)
         _submit(opt, plan)
