@@ -147,7 +147,8 @@ class _Batch:
     tensors: list  # master, grad, exp_avg, exp_avg_sq[, weight_stage] lists
     spans: Optional[list]  # back_to_back of each list, or None if any is not
     usable: bool  # moments contiguous and step counts float32 scalars (else slot by slot)
-    counts: torch.Tensor  # the step counts side by side (each state["step"] a view of one)
+    counts: Optional[torch.Tensor]  # if usable: the step counts side by side (each
+    # state["step"] a view of one)
 
 
 # host optimizer -> {ids of a batch's slots: _Batch}; weak, so that it goes with its optimizer.
@@ -172,12 +173,12 @@ def _batch(optimizer: Optimizer, slots: list[HostSlot], states: list[dict]) -> _
     spans = [back_to_back(x) for x in tensors]
     usable = all(st["exp_avg"].is_contiguous() and st["exp_avg_sq"].is_contiguous()
                  and st["step"].dtype == torch.float32 and st["step"].dim() == 0 for st in states)
-    counts = torch.zeros(len(slots), dtype=torch.float32)
+    counts = None
     if usable:
         # Each state["step"] becomes a 0-d view of one tensor of counts, with its value:
         # one add_ then advances them all (a copy in and out per slot cost 0.4 ms of a step
         # over 192 LoRA adapters on the H200), and an in-place change of one still shows.
-        counts.copy_(torch.stack([st["step"] for st in states]))
+        counts = torch.stack([st["step"] for st in states])
         for st, cell in zip(states, counts.unbind()):
             st["step"] = cell
     batch = _Batch(list(slots), [(st, st["step"], st["exp_avg"], st["exp_avg_sq"]) for st in states],
