@@ -168,7 +168,7 @@ class GradientPath:
             if slot.param.grad is None:
                 continue
             batch.append(slot)
-            size += slot.grad.numel() * slot.grad.element_size()
+            size += slot.grad.nbytes
             if size >= COPY_BATCH_BYTES:
                 batches.append(batch)
                 batch, size = [], 0

@@ -143,6 +143,7 @@ class _Batch:
     tensors, which stay the same objects step after step (the plans cut the same batches)."""
 
     slots: list  # (held, so that the ids keying this batch stay theirs)
+    state_map: dict  # the optimizer's ``state`` when worked out (a load replaces it)
     held: list  # each slot's (state, step, exp_avg, exp_avg_sq) when worked out
     tensors: list  # master, grad, exp_avg, exp_avg_sq[, weight_stage] lists
     spans: Optional[list]  # back_to_back of each list, or None if any is not
@@ -150,22 +151,30 @@ class _Batch:
     counts: Optional[torch.Tensor]  # if usable: the step counts side by side (each
     # state["step"] a view of one)
 
+    def current(self, optimizer: Optimizer) -> bool:
+        """Whether every slot's state is still the one worked out: the same state mapping,
+        per-slot dicts and tensors. A slot's dict is replaced only through the optimizer's
+        ``state`` (which forgets the batches: see forget_batches) or by a load (a new
+        mapping), so its own entries are all that is asked per slot: no lookup by tensor,
+        whose hash is Python code."""
+        return optimizer.state is self.state_map and all(
+            st.get("step") is step and st.get("exp_avg") is m and st.get("exp_avg_sq") is v
+            for st, step, m, v in self.held)
+
 
 # host optimizer -> {ids of a batch's slots: _Batch}; weak, so that it goes with its optimizer.
 _BATCHES: "weakref.WeakKeyDictionary[Optimizer, dict]" = weakref.WeakKeyDictionary()
 
 
-def _batch(optimizer: Optimizer, slots: list[HostSlot], states: list[dict]) -> _Batch:
+def _batch(optimizer: Optimizer, slots: list[HostSlot]) -> _Batch:
     """The batch of ``slots`` as last worked out, or anew if a state tensor was replaced
-    since (a loaded state dict, a new entry)."""
+    since (a loaded state dict, a new entry), creating missing state as torch would."""
     batches = _BATCHES.setdefault(optimizer, {})
     key = tuple(map(id, slots))
     batch = batches.get(key)
-    if batch is not None and all(
-        st is h[0] and st["step"] is h[1] and st["exp_avg"] is h[2] and st["exp_avg_sq"] is h[3]
-        for st, h in zip(states, batch.held)
-    ):
+    if batch is not None and batch.current(optimizer):
         return batch
+    states = [_adam_state(optimizer, slot, False) for slot in slots]
     tensors = [[slot.master for slot in slots], [slot.grad for slot in slots],
                [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]]
     if slots[0].weight_stage is not None:
@@ -181,7 +190,8 @@ def _batch(optimizer: Optimizer, slots: list[HostSlot], states: list[dict]) -> _
         counts = torch.stack([st["step"] for st in states])
         for st, cell in zip(states, counts.unbind()):
             st["step"] = cell
-    batch = _Batch(list(slots), [(st, st["step"], st["exp_avg"], st["exp_avg_sq"]) for st in states],
+    batch = _Batch(list(slots), optimizer.state,
+                   [(st, st["step"], st["exp_avg"], st["exp_avg_sq"]) for st in states],
                    tensors, None if any(span is None for span in spans) else spans, usable, counts)
     if len(batches) > 64:  # (plans cut new batches when arrival order changes)
         batches.clear()
@@ -191,8 +201,9 @@ def _batch(optimizer: Optimizer, slots: list[HostSlot], states: list[dict]) -> _
 
 def forget_batches(optimizer: Optimizer) -> None:
     """Drop what _fused_adam_many worked out for ``optimizer``'s batches: after a load that
-    replaced its state tensors, so that the old ones are not kept alive until each batch
-    steps again (an identity check makes it rebuild them anyway)."""
+    replaced its state tensors (so that the old ones are not kept alive until each batch
+    steps again), and whenever a slot's state dict may have been replaced (see
+    _Batch.current)."""
     _BATCHES.pop(optimizer, None)
 
 
@@ -202,8 +213,7 @@ def _fused_adam_many(
     """_fused_adam_update for one or several slots of one group in one native call
     (hundreds of LoRA adapters: per-slot Python and a thread team per call would dwarf the
     arithmetic; for one slot, two torch calls instead of its views and step arithmetic)."""
-    states = [_adam_state(optimizer, slot, False) for slot in slots]
-    batch = _batch(optimizer, slots, states)
+    batch = _batch(optimizer, slots)
     if not batch.usable:
         for slot in slots:  # e.g. state loaded with another layout
             _fused_adam_update(optimizer, group, slot, grad_scale)
@@ -237,7 +247,7 @@ def update_slots(
 
     Args:
         optimizer: the host optimizer over the slots' master tensors.
-        group_of: maps a master tensor to its param group in ``optimizer``.
+        group_of: maps the id of a master tensor to its param group in ``optimizer``.
         slots: the parameters to update now; others are left untouched.
         grad_scale: multiply gradients by this first (None: leave them as they are).
 
@@ -245,16 +255,18 @@ def update_slots(
     """
     generic, together, fused = [], {}, {}  # (fused: per group, asked once per call)
     for slot in slots:
-        group = group_of[slot.master]
-        if id(group) not in fused:
-            fused[id(group)] = uses_fused_adam(optimizer, group)
-        if not fused[id(group)]:
+        group = group_of[id(slot.master)]
+        gid = id(group)
+        is_fused = fused.get(gid)
+        if is_fused is None:
+            is_fused = fused[gid] = uses_fused_adam(optimizer, group)
+        if not is_fused:
             generic.append(slot)
         elif _one_native_call(slot, group):
             # Even alone: _fused_adam_update's views and step arithmetic are torch calls that
             # each give up the GIL, and the training thread launching kernels delays every
             # return; this path makes two.
-            key = (id(group), slot.master.dtype, slot.weight_stage is None)
+            key = (gid, slot.master.dtype, slot.weight_stage is None)
             together.setdefault(key, (group, []))[1].append(slot)
         else:
             _fused_adam_update(optimizer, group, slot, grad_scale)

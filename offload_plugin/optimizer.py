@@ -88,10 +88,17 @@ class _StateByParam(MutableMapping):
     def __setitem__(self, param, value):
         state, key = self._where(param)
         state[key] = value
+        self._replaced(state)
 
     def __delitem__(self, param):
         state, key = self._where(param)
         del state[key]
+        self._replaced(state)
+
+    def _replaced(self, state: dict) -> None:
+        """A parameter's state dict was replaced: the host update's batches held it."""
+        if self._owner._host_optimizer is not None and state is self._owner._host_optimizer.state:
+            forget_batches(self._owner._host_optimizer)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (p for p in self._owner._params() if p in self)
@@ -490,11 +497,13 @@ class CPUOffloadOptimizer(Optimizer):
         gradient as its local shard; parameters updated on the device with their ``.grad``."""
         if not self.offload_gradients:
             pairs = []
+            sharded = self._slots.sharded
             for p in self._params():
                 grad = p.grad
                 if grad is not None:
-                    check_dense(grad)
-                    pairs.append((p, local_part(grad)))
+                    if grad.is_sparse:
+                        check_dense(grad)
+                    pairs.append((p, local_part(grad) if sharded else grad))
             return pairs
         host = {id(s.param): s.grad for s in self._settled_host_grads()}
         pairs = []

@@ -42,12 +42,16 @@ def packed_runs(pairs: list, host: int, cache: Optional[dict] = None) -> list[tu
     """``pairs`` (host tensor at index ``host``, device tensor at the other) split in issue
     order into runs copied packed, each with a 1-D tensor over its host side, and pairs
     copied alone (with None). A run holds two or more small pairs (up to PACK_MAX_BYTES
-    each) whose host tensors are contiguous, on the CPU and back to back in one storage,
-    and whose device tensors are contiguous with the host tensors' dtype and numel.
+    each) whose host tensors are contiguous, on the CPU and back to back in one storage.
 
-    ``cache`` (a dict its caller keeps as long as the host tensors): the split depends only
-    on the host tensors, which are the same buffers step after step, so it is worked out
-    once per sequence of them; only the device tensors are checked each time."""
+    The device side of a run is packed and unpacked with one multi-tensor copy into and
+    out of views shaped as the host tensors, which lands each element as ``copy_`` would:
+    a device tensor of another dtype or layout needs no run of its own, so the split
+    depends only on the host tensors. Those are the same buffers step after step, so with
+    ``cache`` (a dict its caller keeps as long as the host tensors) it is worked out once
+    per sequence of them; a step looks up a key and asks nothing of its device tensors
+    (asking each its dtype, size and layout cost 0.2 ms per direction of a step over 192
+    LoRA adapters on the H200)."""
     hosts = [pair[host] for pair in pairs]
     key = tuple(map(id, hosts))
     entry = cache.get(key) if cache is not None else None
@@ -60,8 +64,7 @@ def packed_runs(pairs: list, host: int, cache: Optional[dict] = None) -> list[tu
     out: list = []
     for start, end, span in entry[1]:
         run = pairs[start:end]
-        if span is not None and all(d.dtype == h.dtype and d.numel() == h.numel() and d.is_contiguous()
-                                    for h, d in ((p[host], p[1 - host]) for p in run)):
+        if span is not None:
             out.append((run, span))
         else:
             out.extend(([pair], None) for pair in run)
@@ -184,6 +187,8 @@ class Transfers:
         self._h2d_waits_for = None  # the `after` event the h2d stream already waits for
         self._device_stage: dict = {}  # dtype -> device buffer that packed runs land in
         self._views: dict = {}  # (span, stage) -> views of the stage (see _stage_views)
+        self._pack_buffer: dict = {}  # dtype -> device buffer that packed runs leave from
+        self._packed_read_by = None  # the event of the latest copy out of it
 
     def _compute_stream(self):
         return torch.cuda.current_stream(self.device)
@@ -216,10 +221,7 @@ class Transfers:
                 dst.copy_(src)
             return None
         runs = packed_runs(pairs, 1, runs_cache) if len(pairs) > 1 else [(pairs, None)]
-        # A run is packed on the compute stream, where its sources were written: the
-        # sources need no record_stream, and the packed copy is read by the side stream.
-        packed = [torch._utils._flatten_dense_tensors([src for src, _ in run]) if span is not None else None
-                  for run, span in runs]
+        packed = self._pack(runs)
         self.d2h.wait_stream(self._compute_stream())
         with torch.cuda.stream(self.d2h):
             if before is not None:
@@ -229,8 +231,7 @@ class Transfers:
                        for src in ([flat] if flat is not None else [s for s, _ in run])])
             for (run, span), flat in zip(runs, packed):
                 if span is not None:
-                    span.copy_(flat, non_blocking=True)
-                    flat.record_stream(self.d2h)
+                    span.copy_(flat, non_blocking=True)  # (flat is ours: see _pack)
                     continue
                 for src, dst in run:
                     dst.copy_(src, non_blocking=True)
@@ -239,7 +240,46 @@ class Transfers:
                     src.record_stream(self.d2h)
             event = torch.cuda.Event()
             event.record(self.d2h)
+        if any(flat is not None for flat in packed):
+            self._packed_read_by = event
         return event
+
+    def _pack(self, runs: list) -> list:
+        """Each packed run's device sources copied side by side into the pack buffer (one
+        multi-tensor copy per run, on the compute stream, where the sources were written:
+        they need no record_stream); None for the others. The buffer is reused by the next
+        call, whose packing the compute stream orders after this call's copies out of it.
+        (Packing by concatenation made 192 views and a new tensor at every step: 0.3 ms
+        of a step over 192 LoRA adapters on the H200.)"""
+        need: dict = {}
+        for _, span in runs:
+            if span is not None:
+                need[span.dtype] = need.get(span.dtype, 0) + span.numel()
+        if not need:
+            return [None] * len(runs)
+        compute = self._compute_stream()
+        if self._packed_read_by is not None:
+            compute.wait_event(self._packed_read_by)
+        for dtype, numel in need.items():
+            buf = self._pack_buffer.get(dtype)
+            if buf is None or buf.numel() < numel:
+                if buf is not None:
+                    buf.record_stream(self.d2h)  # (a copy out of it may still be reading)
+                self._pack_buffer[dtype] = torch.empty(numel, dtype=dtype, device=self.device)
+                self._views.clear()  # (they would keep the old buffer alive)
+        offset = dict.fromkeys(need, 0)
+        out = []
+        for run, span in runs:
+            if span is None:
+                out.append(None)
+                continue
+            start = offset[span.dtype]
+            offset[span.dtype] = start + span.numel()
+            flat = self._pack_buffer[span.dtype][start:start + span.numel()]
+            torch._foreach_copy_(self._stage_views(flat, span, [dst for _, dst in run]),
+                                 [src for src, _ in run])
+            out.append(flat)
+        return out
 
     def to_device(
         self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], after: Optional[object] = None,

@@ -36,7 +36,7 @@ _by_order = operator.attrgetter("order")
 class StepPlan:
     """One step's updates, from their first submission until the step is complete."""
 
-    groups: dict  # host master -> its param group in the host optimizer
+    groups: dict  # id of a host master -> its param group in the host optimizer
     grad_scale: Optional[float]  # multiply each gradient by this in its update
     check_each: bool  # no whole-step inf/NaN verdict: each update judges its own gradient
     clip_coef: Optional[torch.Tensor]  # left by clip_grad_norm_ for the updates to apply
@@ -96,7 +96,8 @@ class Updates:
                 # finish. (delayed_update waits per parameter, in its jobs.)
                 Transfers.wait(self.last_push)
         host = self._host_optimizer()
-        groups = {m: g for g in host.param_groups for m in g["params"]}
+        # By id: a tensor's __hash__ is Python code, asked per slot at every step.
+        groups = {id(m): g for g in host.param_groups for m in g["params"]}
         return StepPlan(groups=groups, grad_scale=grad_scale, check_each=check_each,
                         clip_coef=clip_coef)
 

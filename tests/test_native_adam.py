@@ -63,7 +63,7 @@ def _run(numel, group_kwargs, adamw, steps, grad_scale, native, seed=0, master_w
                     weight_stage=torch.empty(numel, dtype=torch.bfloat16) if master_weights else None)
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     opt = cls([master], fused=True, **group_kwargs)
-    groups = {master: opt.param_groups[0]}
+    groups = {id(master): opt.param_groups[0]}
     host_update.USE_NATIVE = native
     try:
         for k in range(steps):
@@ -372,7 +372,7 @@ def _run_many(sizes, adamw, grad_scale, native, master_weights, steps=3, seed=0,
     half = len(masters) // 2
     opt = cls([{"params": masters[:half]}, {"params": masters[half:], "lr": 3e-3, "betas": (0.5, 0.9)}],
               lr=1e-3, weight_decay=0.02, fused=True)
-    groups = {m: g for g in opt.param_groups for m in g["params"]}
+    groups = {id(m): g for g in opt.param_groups for m in g["params"]}
     host_update.USE_NATIVE = native
     try:
         for k in range(steps):
@@ -489,3 +489,52 @@ def test_bf16_weights_written_to_any_address_match_and_stay_in_bounds(offset):
     assert torch.equal(out, master.to(torch.bfloat16))
     assert torch.equal(buffer[:offset], sentinel.expand(offset))
     assert torch.equal(buffer[offset + n:], sentinel.expand(16 - offset))
+
+
+@needs_compiler
+def test_state_replaced_through_the_optimizer_between_steps_is_what_the_next_step_uses():
+    """The batched update keeps each slot's state between steps; a state dict replaced,
+    deleted or given a new tensor through ``optimizer.state`` is what the next step uses,
+    as with torch's fused AdamW on the same tensors."""
+    from offload_plugin import CPUOffloadOptimizer
+
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(8, 64), (64, 8), (8, 64), (64, 8)]  # small: one batch, one native call
+    weights = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
+    ref_params = [torch.nn.Parameter(w.clone()) for w in weights]
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.1, fused=True)
+    opt = CPUOffloadOptimizer(params, lr=1e-2, weight_decay=0.1, fused=True)
+
+    def step(k):
+        for rp, p in zip(ref_params, params):
+            g = torch.randn(rp.shape, generator=gen).to(torch.bfloat16)
+            rp.grad, p.grad = g.clone(), g.clone()
+        ref.step()
+        opt.step()
+        ref.zero_grad()
+        opt.zero_grad()
+
+    for k in range(2):
+        step(k)
+    new_m = torch.randn(shapes[1], generator=gen).to(torch.bfloat16)
+    for o in (ref, opt):
+        old = o.state[o.param_groups[0]["params"][0]]
+        o.state[o.param_groups[0]["params"][0]] = {  # a new dict
+            "step": torch.tensor(7.0), "exp_avg": old["exp_avg"].clone() * 2,
+            "exp_avg_sq": old["exp_avg_sq"].clone()}
+        o.state[o.param_groups[0]["params"][1]]["exp_avg"] = new_m.clone()  # a new tensor
+        o.state[o.param_groups[0]["params"][2]]["step"] = torch.tensor(1.0)
+        del o.state[o.param_groups[0]["params"][3]]  # starts again from zeros
+    step(2)
+    for o in (ref, opt):  # a dict holding the same tensors, changed after a step
+        p0 = o.param_groups[0]["params"][0]
+        o.state[p0] = dict(o.state[p0])
+    step(3)
+    for o in (ref, opt):
+        o.state[o.param_groups[0]["params"][0]]["step"] = torch.tensor(2.0)
+    step(4)
+    for i, (rp, p) in enumerate(zip(ref_params, params)):
+        assert torch.equal(rp.detach(), p.detach()), f"parameter {i}"
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ref.state[rp][key], opt.state[p][key]), (i, key)
