@@ -41,6 +41,7 @@ class StepPlan:
     check_each: bool  # no whole-step inf/NaN verdict: each update judges its own gradient
     clip_coef: Optional[torch.Tensor]  # left by clip_grad_norm_ for the updates to apply
     submitted: set = dataclasses.field(default_factory=set)  # ids of masters handed to the worker
+    weights_adopted: bool = False  # changed weights taken over before the first submission
     nonfinite: list = dataclasses.field(default_factory=list)  # slots spared (inf/NaN)
     device_updated: int = 0  # partial offload: parameters updated on the device,
     device_nonfinite: int = 0  # and those spared there
@@ -190,8 +191,14 @@ class Updates:
         ordered = sorted(slots, key=_by_order)
         start = time.perf_counter()
         settle = self.grads.settle
-        for slot in ordered:
-            settle(slot)
+        if any(slot.incoming_pending for slot in ordered):
+            for slot in ordered:
+                settle(slot)
+        else:  # (the usual case: one wait per copy event, which a copy batch's slots share)
+            for event in {id(slot.grad_event): slot.grad_event for slot in ordered}.values():
+                Transfers.wait(event)
+            for slot in ordered:
+                slot.grad_event = None
         self.worker.waited_s += time.perf_counter() - start
         finite = ordered
         if plan.check_each:

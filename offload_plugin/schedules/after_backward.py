@@ -28,17 +28,28 @@ def start(opt) -> Optional[StepPlan]:
         # One copy batch (LoRA adapters, a small model): the gradients go to the host now
         # and the device judges them as they leave; a "may not be finite" (or a skip) is
         # confirmed exactly. A skipped step's copies only filled this step's host gradients.
-        finite = opt._grads.copy_at_step(batches, judge=True) or grad_checks.all_finite(grads)
+        verdict = opt._grads.copy_at_step(batches, judge=True)
+        # While they travel: the plan, and weights changed outside the optimizer taken
+        # over (a skipped step would leave them to the next, with the same result).
+        plan = _plan(opt)
+        opt._adopt_changed_weights()
+        plan.weights_adopted = True
+        finite = verdict() or grad_checks.all_finite(grads)
     else:
         finite = opt._scaling.step_is_finite(grads, opt._slots.meshes)
         if finite:
             opt._grads.copy_at_step(batches)
+            plan = _plan(opt)
     if not finite:
         opt._scaling.report_skipped_step(grads)
         return None
-    opt._running = opt._updates.plan(opt.param_groups, grad_scale=None, check_each=False,
-                                     clip_coef=opt._scaling.clip_coef)
-    return opt._running
+    opt._running = plan
+    return plan
+
+
+def _plan(opt) -> StepPlan:
+    return opt._updates.plan(opt.param_groups, grad_scale=None, check_each=False,
+                             clip_coef=opt._scaling.clip_coef)
 
 
 def _judged_on_the_way(opt, grads: list) -> bool:
