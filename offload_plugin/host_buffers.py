@@ -203,6 +203,9 @@ class HostSlot:
     # Told of ``master`` when a changed weight replaced it: the host optimizer's
     # ``weight_replaced`` if it has one (CompactAdamW drops the old weight's remainder).
     on_replaced: Optional[Callable[[torch.Tensor], None]] = None
+    # (weight_source(), param) for a plain tensor, whose buffers and parameter never change:
+    # the pair each update sends, made once (None for a DTensor, whose shard is asked anew).
+    push_pair: Optional[tuple] = None
     # Whether the one-pass kernel takes all of this slot in a batch (host_update's
     # _one_native_call without amsgrad); worked out at the first update (None before).
     native_whole: Optional[bool] = None
@@ -285,6 +288,8 @@ def build_slots(
             )
         )
         slots[-1].mark = weight_mark(p)
+        if not isinstance(p, DTensor):
+            slots[-1].push_pair = (slots[-1].weight_source(), p)
     return slots
 
 

@@ -42,6 +42,10 @@ class StepPlan:
     clip_coef: Optional[torch.Tensor]  # left by clip_grad_norm_ for the updates to apply
     submitted: set = dataclasses.field(default_factory=set)  # ids of masters handed to the worker
     weights_adopted: bool = False  # changed weights taken over before the first submission
+    # The whole step's inf/NaN verdict when it comes with the copies (after_backward): a
+    # callable that the updates wait for, and the gradients it covers (for the report).
+    verdict: Optional[Callable[[], bool]] = None
+    judged: Optional[list] = None
     nonfinite: list = dataclasses.field(default_factory=list)  # slots spared (inf/NaN)
     device_updated: int = 0  # partial offload: parameters updated on the device,
     device_nonfinite: int = 0  # and those spared there
@@ -199,6 +203,9 @@ class Updates:
                 Transfers.wait(event)
             for slot in ordered:
                 slot.grad_event = None
+        if plan.verdict is not None and not plan.verdict():
+            self.worker.waited_s += time.perf_counter() - start
+            return  # (skipped as a whole: nothing updated, nothing sent)
         self.worker.waited_s += time.perf_counter() - start
         finite = ordered
         if plan.check_each:
@@ -221,7 +228,7 @@ class Updates:
         updated = time.perf_counter() if trace is not None else 0.0
         self.last_push = self.transfers.to_device(
             # The parameters themselves: detaching each would cost the GIL a round trip.
-            [(slot.weight_source(), local_part(slot.param)) for slot in finite],
+            [slot.push_pair or (slot.weight_source(), local_part(slot.param)) for slot in finite],
             after=plan.pushes_after, runs_cache=self._runs_cache,
         )
         for slot in finite:

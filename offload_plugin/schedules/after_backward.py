@@ -1,4 +1,5 @@
-"""The ``after_backward`` schedule: step() judges all gradients, then updates every slot.
+"""The ``after_backward`` schedule: step() judges all gradients (or its updates wait for the
+verdict that comes with the copies), then updates every slot.
 
 The plain schedule (no ``overlap_next_step``), and the overlapped one for clipped or
 sharded steps, whose gradients already left the device during backward: step() scales
@@ -19,30 +20,29 @@ __all__ = ["start", "submit_the_rest", "step_on_device", "report_spared"]
 
 
 def start(opt) -> Optional[StepPlan]:
-    """The step's plan once every gradient is judged finite; None if the step is skipped."""
+    """The step's plan, with the gradients judged finite or their verdict to come; None if
+    the step is skipped."""
     opt._scaling.warn_if_unscaled(opt.param_groups)
     # A grad_scale that overlap_next_step left to step() is applied by _grads_in_place.
     grads = opt._grads_in_place("step()") if opt._overlap is not None else opt._ready_grads()
     batches = [] if opt.offload_gradients else opt._grads.copy_batches(opt._slots.in_order(opt._params()))
     if len(batches) == 1 and _judged_on_the_way(opt, grads):
-        # One copy batch (LoRA adapters, a small model): the gradients go to the host now
-        # and the device judges them as they leave; a "may not be finite" (or a skip) is
-        # confirmed exactly. A skipped step's copies only filled this step's host gradients.
+        # One copy batch (LoRA adapters, a small model): the gradients go to the host now,
+        # the device judges them as they leave, and the updates are queued meanwhile; the
+        # first to run waits for the verdict (a skipped step's updates change nothing, and
+        # report_spared reports it). Weights changed outside the optimizer are taken over
+        # now too: a skipped step would leave them to the next, with the same result.
         verdict = opt._grads.copy_at_step(batches, judge=True)
-        # While they travel: the plan, and weights changed outside the optimizer taken
-        # over (a skipped step would leave them to the next, with the same result).
         plan = _plan(opt)
+        plan.verdict, plan.judged = verdict, grads
         opt._adopt_changed_weights()
         plan.weights_adopted = True
-        finite = verdict() or grad_checks.all_finite(grads)
     else:
-        finite = opt._scaling.step_is_finite(grads, opt._slots.meshes)
-        if finite:
-            opt._grads.copy_at_step(batches)
-            plan = _plan(opt)
-    if not finite:
-        opt._scaling.report_skipped_step(grads)
-        return None
+        if not opt._scaling.step_is_finite(grads, opt._slots.meshes):
+            opt._scaling.report_skipped_step(grads)
+            return None
+        opt._grads.copy_at_step(batches)
+        plan = _plan(opt)
     opt._running = plan
     return plan
 
@@ -86,7 +86,11 @@ def step_on_device(opt, plan: StepPlan) -> None:
 
 
 def report_spared(opt, plan: StepPlan) -> None:
-    """Warn (or raise) about parameters whose non-finite gradients their updates found."""
+    """Warn (or raise) about parameters whose non-finite gradients their updates found, or
+    about the whole step, skipped by the verdict its updates waited for."""
+    if plan.verdict is not None and not plan.verdict():
+        opt._scaling.report_skipped_step(plan.judged)
+        return
     skipped = len(plan.nonfinite) + plan.device_nonfinite
     updated = len(plan.submitted) - len(plan.nonfinite) + plan.device_updated
     opt._scaling.report_spared(updated, skipped)
