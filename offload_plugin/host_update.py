@@ -262,8 +262,7 @@ def update_slots(
             is_fused = fused[gid] = uses_fused_adam(optimizer, group)
         if not is_fused:
             generic.append(slot)
-        elif slot.native_whole if slot.native_whole is not None and not group["amsgrad"] and USE_NATIVE \
-                else _one_native_call(slot, group):
+        elif _one_native_call(slot, group):
             # Even alone: _fused_adam_update's views and step arithmetic are torch calls that
             # each give up the GIL, and the training thread launching kernels delays every
             # return; this path makes two.
