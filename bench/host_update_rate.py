@@ -80,7 +80,7 @@ def main() -> None:
     slot = HostSlot(param=torch.zeros(1), master=master,
                     grad=torch.randn(n).to(torch.bfloat16), weight_stage=torch.empty(n, dtype=torch.bfloat16))
     opt = torch.optim.AdamW([master], lr=1e-3, fused=True)
-    groups = {master: opt.param_groups[0]}
+    groups = {id(master): opt.param_groups[0]}
     threads = max(1, cores - 1)
     for native in (True, False):
         host_update.USE_NATIVE = native
@@ -104,7 +104,7 @@ def main() -> None:
     slot = HostSlot(param=torch.zeros(1), master=wb, grad=torch.randn(n).to(torch.bfloat16),
                     weight_stage=None)
     opt = torch.optim.AdamW([wb], lr=1e-3, fused=True)
-    groups = {wb: opt.param_groups[0]}
+    groups = {id(wb): opt.param_groups[0]}
     for native in (True, False):
         host_update.USE_NATIVE = native
         kernel = native_adam.kernel()
