@@ -44,6 +44,7 @@ from offload_plugin.weight_sync import adopt_weight, changed_slots
 __all__ = ["CPUOffloadOptimizer"]
 
 log = logging.getLogger(__name__)
+_ONE_TENSOR_NOTED = False  # (see CPUOffloadOptimizer._log_summary)
 
 
 class _GradHook:
@@ -279,7 +280,26 @@ class CPUOffloadOptimizer(Optimizer):
                 "trainable first (torchtune.modules.peft.set_trainable_params(model, "
                 "get_adapter_params(model))); otherwise check what was passed as params."
             )
-        log.info(
+        self._log_summary()
+
+    def _log_summary(self) -> None:
+        """What was kept and where the update runs, at INFO; at DEBUG for an optimizer of one
+        tensor, as torchtune's ``optimizer_in_bwd`` builds one per parameter (a line each
+        would flood the recipe's log), after one INFO line per process saying so."""
+        global _ONE_TENSOR_NOTED
+        c, level = self._counts, logging.INFO
+        if c["kept"] == 1:
+            level = logging.DEBUG
+            if not _ONE_TENSOR_NOTED:
+                _ONE_TENSOR_NOTED = True
+                log.info("CPUOffloadOptimizer: optimizers over one tensor each (as torchtune's "
+                         "optimizer_in_bwd builds them, one per parameter) log what they keep "
+                         "at DEBUG level.")
+        if self._transfers is not None and not self._transfers.is_async:
+            log.log(level, "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the "
+                    "update runs in host memory with synchronous copies.", self._transfers.device)
+        log.log(
+            level,
             "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) on the host%s; "
             "skipped %d frozen tensors (%s elements).",
             self.optimizer_cls.__name__, c["kept"] - c["on_device"],
@@ -405,11 +425,6 @@ class CPUOffloadOptimizer(Optimizer):
                                    self.pin_memory, self.delayed_update)
         self._updates = Updates(lambda: self._host_optimizer, self._grads, self._transfers,
                                 self._worker)
-        if device.type != "cuda":
-            log.info(
-                "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the update "
-                "runs in host memory with synchronous copies.", device,
-            )
 
     def _params(self) -> Iterator[torch.Tensor]:
         """Trainable parameters in order, group by group (the order of state-dict indices)."""

@@ -193,6 +193,22 @@ def test_notice_without_accelerator(caplog):
     assert "not a CUDA device" in caplog.text
 
 
+def test_one_optimizer_per_parameter_logs_one_line(caplog, monkeypatch):
+    """torchtune's optimizer_in_bwd builds an optimizer per parameter: one INFO line for all
+    of them, each one's summary at DEBUG."""
+    from offload_plugin import optimizer as optimizer_module
+
+    monkeypatch.setattr(optimizer_module, "_ONE_TENSOR_NOTED", False)
+    params = trainable(make_model())
+    with caplog.at_level(logging.DEBUG, logger="offload_plugin"):
+        opts = {p: CPUOffloadOptimizer([p], lr=1e-3) for p in params}
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len(info) == 1 and "one tensor each" in info[0], info
+    assert sum("optimizing 1 tensors" in m for m in debug) == len(opts) == 4
+    assert sum("not a CUDA device" in m for m in debug) == 4
+
+
 def test_offload_gradients_frees_device_grads_and_accumulates():
     """With offload_gradients the model's .grad is None after backward; sums match autograd's."""
     ref_model, model = twins()

@@ -3,13 +3,12 @@ reference torch optimizer over the same trainable parameters, or raise a clear e
 
 import math
 
-import pytest
 import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from offload_plugin import CPUOffloadOptimizer
-from reference_twin import make_model, reference, train, twins
+from reference_twin import reference, train, twins
 
 OPTIMIZERS = {
     "AdamW": torch.optim.AdamW,

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_plugin import CPUOffloadOptimizer
 from reference_twin import DEVICES, assert_same_params, make_model, offload, reference, train, trainable, twins
 
 
