@@ -339,9 +339,10 @@ class Transfers:
             torch._foreach_copy_(dsts, self._stage_views(stage, span, [src for src, _ in run]))
 
     def _stage_views(self, stage: torch.Tensor, span: torch.Tensor, hosts: list) -> list:
-        """Views of ``stage`` shaped as ``hosts`` (whose span is ``span``), made once per span
-        and stage buffer: the same runs go out at every step, and making the views was 0.4
-        ms of a 6 ms step over 192 LoRA adapters (H200). A span is packed_runs' cached
+        """Views of ``stage`` (the device buffer a packed run lands in, or leaves from: see
+        _to_device_packed and _pack) shaped as ``hosts`` (whose span is ``span``), made once
+        per span and buffer: the same runs travel at every step, and making the views was
+        0.4 ms of a 6 ms step over 192 LoRA adapters (H200). A span is packed_runs' cached
         object for the same host tensors, and the entry holds it, so its id stays its own."""
         key = (id(span), stage.data_ptr())
         entry = self._views.get(key)
