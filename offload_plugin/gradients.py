@@ -150,6 +150,19 @@ class GradientPath:
                 native_adam.add_(slot.grad, slot.incoming)  # torch's add_, one faster pass
                 slot.incoming_pending, slot.incoming_event = False, None
 
+    @classmethod
+    def settle_all(cls, slots: list[HostSlot]) -> None:
+        """:meth:`settle` for each of ``slots``; with no accumulated gradient pending (the
+        usual case), one wait per copy event, which a copy batch's slots share."""
+        if any(slot.incoming_pending for slot in slots):
+            for slot in slots:
+                cls.settle(slot)
+            return
+        for event in {id(slot.grad_event): slot.grad_event for slot in slots}.values():
+            Transfers.wait(event)
+        for slot in slots:
+            slot.grad_event = None
+
     @staticmethod
     def landed(slot: HostSlot) -> bool:
         """Whether ``slot``'s gradient copies have completed (an update would not wait)."""

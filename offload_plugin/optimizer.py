@@ -488,8 +488,8 @@ class CPUOffloadOptimizer(Optimizer):
             delayed.release_for_push(self, slot)
 
     def _submit(self, plan: StepPlan, slots: list[HostSlot]) -> None:
-        if not plan.submitted and not plan.weights_adopted:  # the step's first update:
-            self._adopt_changed_weights()  # nothing has read a master yet
+        if not plan.submitted:  # the step's first update: nothing has read a master yet
+            self._adopt_changed_weights()
         self._updates.submit(plan, slots)
 
     def _settled_host_grads(self) -> list[HostSlot]:

@@ -41,11 +41,9 @@ class StepPlan:
     check_each: bool  # no whole-step inf/NaN verdict: each update judges its own gradient
     clip_coef: Optional[torch.Tensor]  # left by clip_grad_norm_ for the updates to apply
     submitted: set = dataclasses.field(default_factory=set)  # ids of masters handed to the worker
-    weights_adopted: bool = False  # changed weights taken over before the first submission
     # The whole step's inf/NaN verdict when it comes with the copies (after_backward): a
-    # callable that the updates wait for, and the gradients it covers (for the report).
+    # callable that the updates wait for.
     verdict: Optional[Callable[[], bool]] = None
-    judged: Optional[list] = None
     nonfinite: list = dataclasses.field(default_factory=list)  # slots spared (inf/NaN)
     device_updated: int = 0  # partial offload: parameters updated on the device,
     device_nonfinite: int = 0  # and those spared there
@@ -194,15 +192,7 @@ class Updates:
         # In the order of their host buffers: neighbours update and travel packed.
         ordered = sorted(slots, key=_by_order)
         start = time.perf_counter()
-        settle = self.grads.settle
-        if any(slot.incoming_pending for slot in ordered):
-            for slot in ordered:
-                settle(slot)
-        else:  # (the usual case: one wait per copy event, which a copy batch's slots share)
-            for event in {id(slot.grad_event): slot.grad_event for slot in ordered}.values():
-                Transfers.wait(event)
-            for slot in ordered:
-                slot.grad_event = None
+        self.grads.settle_all(ordered)
         if plan.verdict is not None and not plan.verdict():
             self.worker.waited_s += time.perf_counter() - start
             return  # (skipped as a whole: nothing updated, nothing sent)

@@ -38,17 +38,7 @@ __all__ = ["weight_mark", "changed_slots", "adopt_weight", "bits_equal"]
 
 def changed_slots(slots: Iterable[HostSlot]) -> list[HostSlot]:
     """The slots whose parameter was changed since its host copy last matched it."""
-    changed = []
-    for slot in slots:  # (weight_mark inlined for plain tensors: this runs at every step)
-        p = slot.param
-        if type(p) is torch.nn.Parameter or type(p) is torch.Tensor:
-            version = p._version
-            mark = (version, version, p.data_ptr())
-        else:
-            mark = weight_mark(p)
-        if mark != slot.mark:
-            changed.append(slot)
-    return changed
+    return [slot for slot in slots if weight_mark(slot.param) != slot.mark]
 
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -31,12 +31,11 @@ def start(opt) -> Optional[StepPlan]:
         # the device judges them as they leave, and the updates are queued meanwhile; the
         # first to run waits for the verdict (a skipped step's updates change nothing, and
         # report_spared reports it). Weights changed outside the optimizer are taken over
-        # now too: a skipped step would leave them to the next, with the same result.
+        # at the first submission, as in every step: a skipped step would leave them to
+        # the next, with the same result.
         verdict = opt._grads.copy_at_step(batches, judge=True)
         plan = _plan(opt)
-        plan.verdict, plan.judged = verdict, grads
-        opt._adopt_changed_weights()
-        plan.weights_adopted = True
+        plan.verdict = verdict
     else:
         if not opt._scaling.step_is_finite(grads, opt._slots.meshes):
             opt._scaling.report_skipped_step(grads)
@@ -89,7 +88,7 @@ def report_spared(opt, plan: StepPlan) -> None:
     """Warn (or raise) about parameters whose non-finite gradients their updates found, or
     about the whole step, skipped by the verdict its updates waited for."""
     if plan.verdict is not None and not plan.verdict():
-        opt._scaling.report_skipped_step(plan.judged)
+        opt._scaling.report_skipped_step(opt._ready_grads())  # (still on the device)
         return
     skipped = len(plan.nonfinite) + plan.device_nonfinite
     updated = len(plan.submitted) - len(plan.nonfinite) + plan.device_updated
