@@ -1,4 +1,5 @@
-"""One background thread that runs host updates in the order they were submitted.
+"""One background thread that runs host updates in the order they were submitted (or, for
+parameters that live on the CPU, the submitting thread itself).
 
 The training thread only enqueues work (from backward hooks or step()) and keeps launching
 GPU kernels; it waits in ``drain()``. Urgent jobs (adding an accumulated gradient, which
@@ -12,6 +13,15 @@ including the thread of a worker already collected, which may still be freeing i
 optimizer: a daemon thread still alive when Python finalizes is torn down with
 ``pthread_exit``, which aborts the process ("terminate called without an active
 exception") if it unwinds through C++ frames, e.g. a torch kernel or the OpenMP runtime.
+
+With parameters on the CPU there is nothing to overlap with: the training thread's own
+kernels already fill the host's cores. A worker thread there only costs: every thread that
+runs a parallel region gets an OpenMP team of its own, and once libgomp manages more
+threads than there are cores it stops spinning between regions in every team, so each of
+the training thread's many small regions first wakes its threads from sleep. Measured on
+the 2-core CI machine, the training thread's forward and backward of the tiny QLoRA demo
+model ran 2.5-3x slower for the rest of the process once a second thread had run a single
+parallel op. ``inline=True`` runs each job in ``submit`` instead, in the caller's team.
 """
 
 from __future__ import annotations
@@ -63,11 +73,15 @@ class HostWorker:
 
     Args:
         num_threads (int): torch intra-op threads for the jobs. Set per thread (OpenMP),
-            so the training thread keeps its own setting.
+            so the training thread keeps its own setting. (Inline, native kernels use this
+            many threads and torch ops the caller's count.)
+        inline (bool): run each job at once in the submitting thread, with the same error
+            handling (kept, raised by the next ``drain()``, later jobs skipped).
     """
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, num_threads: int, inline: bool = False) -> None:
         self.num_threads = num_threads
+        self.inline = inline
         self._jobs: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()  # FIFO within a priority; jobs are never compared
         self._error: Optional[BaseException] = None
@@ -88,7 +102,7 @@ class HostWorker:
         thread, the training thread's included. Called while the optimizer is built, that
         happens before training, not at whatever point of a backward the first job
         arrives."""
-        if self._thread is None:
+        if self._thread is None and not self.inline:
             ready = threading.Event()
             # The thread holds only a weak reference to this worker: once the worker is
             # garbage (its optimizer was dropped), the finalizer tells the thread to stop.
@@ -107,6 +121,15 @@ class HostWorker:
 
     def submit(self, job: Callable[[], None], urgent: bool = False) -> None:
         """Queue ``job``; an ``urgent`` one runs before every queued non-urgent job."""
+        if self.inline:
+            if self._error is None:
+                start = time.perf_counter()
+                try:
+                    job()
+                except Exception as error:  # (an interrupt propagates: nothing runs behind it)
+                    self._error = error
+                self.busy_s += time.perf_counter() - start
+            return
         self.start()
         self._jobs.put((_URGENT if urgent else _NORMAL, next(self._order), job))
 

@@ -167,7 +167,9 @@ class CPUOffloadOptimizer(Optimizer):
             gradient is then left unchanged while the others update, and the warning or
             error comes from the next ``step()``. Default: ``False``.
         host_threads (int, optional): CPU threads for the host update. Default: all but
-            one with a GPU (that core launches the GPU work), all without one.
+            one with a GPU (that core launches the GPU work). Parameters on the CPU update
+            in the training thread with its own count (``torch.set_num_threads``): a
+            second thread's OpenMP team would slow the training thread's every op.
         device_fraction (float): partial offload. Keep the update of the first trainable
             parameters (in the order given; for torchtune models the embeddings and first
             layers, whose gradients arrive last in backward), up to this fraction of all

@@ -47,25 +47,31 @@ class Resources:
 
 _shared: "weakref.WeakValueDictionary[tuple, Resources]" = weakref.WeakValueDictionary()
 _lock = threading.Lock()
+# Parameters on the CPU update in the training thread (see host_worker). The tests turn
+# this off (tests/conftest.py), so that CI's CPU-only runs go through the host thread and
+# its schedules as GPU users do; tests of the inline path turn it back on.
+_INLINE_ON_CPU = True
 
 
 def resources(device: torch.device, host_threads: Optional[int]) -> Resources:
     """The shared resources for parameters on ``device`` (made on first use).
 
     ``host_threads=None``: with a GPU, all intra-op threads but one, whose core launches
-    the GPU work; without one, all of them.
+    the GPU work. Parameters on the CPU update in the training thread, with its count
+    (see host_worker).
     """
     on_gpu = device.type == "cuda"
     if on_gpu and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     threads = torch.get_num_threads()
-    if host_threads is None:
+    inline = device.type == "cpu" and _INLINE_ON_CPU
+    if host_threads is None or inline:
         host_threads = max(1, threads - 1) if on_gpu else threads
-    key = (str(device), host_threads)
+    key = (str(device), host_threads, inline)
     with _lock:
         shared = _shared.get(key)
         if shared is None:  # (streams are made once per device, not per optimizer)
-            shared = Resources(Transfers(device), HostWorker(host_threads))
+            shared = Resources(Transfers(device), HostWorker(host_threads, inline=inline))
             _shared[key] = shared
             if host_threads != threads:  # it will set its own count: do it now (see start)
                 shared.worker.start()

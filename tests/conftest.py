@@ -1,0 +1,19 @@
+"""The tests run CPU parameters through the host worker's thread, as GPU users' parameters
+run (CI has no GPU); by default parameters on the CPU update in the training thread
+instead (offload_plugin.process). Tests of that path take the ``cpu_inline`` fixture;
+tests that start their own processes (recipes, the README's commands) get it too."""
+
+import pytest
+
+from offload_plugin import process
+
+
+@pytest.fixture(autouse=True)
+def _host_thread_on_cpu(monkeypatch):
+    monkeypatch.setattr(process, "_INLINE_ON_CPU", False)
+
+
+@pytest.fixture
+def cpu_inline(monkeypatch):
+    """Parameters on the CPU update in the calling thread, as outside the tests."""
+    monkeypatch.setattr(process, "_INLINE_ON_CPU", True)
