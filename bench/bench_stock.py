@@ -5,11 +5,14 @@ checkpoint (``bench/random_checkpoint.py``) and local alpaca data
 (``python -m offload_plugin.demo prepare``), with only the optimizer overridden, plus our
 recipe with our config as shipped. Each run is a fresh process; tokens/s is the mean of
 torchtune's ``tokens_per_second_per_gpu`` over the steps after ``--warmup``, peak GPU memory
-torchtune's ``peak_memory_alloc``, host memory the process's peak RSS.
+torchtune's ``peak_memory_alloc``, host memory the process's peak RSS. With ``--repeats``
+the runs alternate, and each run's per-step ratio to the baseline pairs steps that saw the
+same batches (see ``summarize``).
 
     # on the GPU machine, from the repository root (pip install -e . done)
     python bench/bench_stock.py --job full --model 1b
     python bench/bench_stock.py --job full --model 1b --runs ours_stock,torch_adamw --steps 4  # a subset
+    python bench/bench_stock.py --job qlora --model 1b --runs stock_as_shipped,ours_stock --repeats 3 --steps 30 --warmup 5
 """
 
 from __future__ import annotations
@@ -124,7 +127,48 @@ def parse(out: Path, stdout: str, warmup: int) -> dict:
         "peak_gpu_gib": max((m.get("peak_memory_alloc", 0) for m in steps.values()), default=None),
         "host_peak_rss_gib": int(rss[-1]) / 2**20 if rss else None,
         "losses": [m["loss"] for _, m in sorted(steps.items())],
+        "step_tokens_per_s": [m["tokens_per_second_per_gpu"] for _, m in sorted(steps.items())],
     }
+
+
+def one_run(args, name: str, env: dict) -> dict:
+    cmd = command(args, name)
+    print(f"== {name}: tune {' '.join(cmd[3:])}", flush=True)
+    shutil.rmtree(run_dir(args, name) / "logs", ignore_errors=True)  # (see run_dir)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout} s"}
+    if proc.returncode != 0:
+        return {"error": (proc.stdout + proc.stderr)[-1500:]}
+    return parse(run_dir(args, name), proc.stdout, args.warmup)
+
+
+def summarize(results: dict, base_name: str, warmup: int) -> dict:
+    """Each run's mean over its repeats (tokens/s; peak memory: the largest), and its
+    per-step ratio to ``base_name``: step k of repeat j against the base's step k of repeat
+    j (the same batches: seed=0), averaged over the steps after ``warmup``. Run-to-run
+    variation (a 1B QLoRA step's tokens/s varies by +-10% between runs of one config) then
+    weighs less than in a ratio of means."""
+    base = results.get(base_name, {}).get("repeats", [])
+    for r in results.values():
+        done = [x for x in r["repeats"] if "error" not in x]
+        if not done:
+            r["error"] = r["repeats"][0]["error"]
+            continue
+        r.pop("error", None)
+        r["tokens_per_s"] = sum(x["tokens_per_s"] for x in done) / len(done)
+        for key in ("peak_gpu_gib", "host_peak_rss_gib"):
+            r[key] = max(x[key] for x in done)
+        pairs = [(mine, theirs) for x, b in zip(r["repeats"], base) if "error" not in x and "error" not in b
+                 for mine, theirs in list(zip(x["step_tokens_per_s"], b["step_tokens_per_s"]))[warmup:]]
+        r["paired_ratio"] = sum(m / t for m, t in pairs) / len(pairs) if pairs else None
+    return results
+
+
+def save(args, results: dict) -> None:
+    args.out.write_text(json.dumps({"kind": "stock", "settings": {k: str(v) for k, v in vars(args).items()},
+                                    "results": results}, indent=1))
 
 
 def main() -> None:
@@ -139,6 +183,9 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=Path("/tmp/offload-plugin/stock"))
     p.add_argument("--checkpoint", type=Path, default=None,
                    help="random-init checkpoint dir (made with bench/random_checkpoint.py if absent)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole list this many times, interleaved (a, b, a, b); tokens/s is "
+                        "the mean over repeats, each kept in 'repeats'")
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", type=Path, default=None,
                    help="results JSON (default: bench/results/<date>-stock-<model>-<job>.json)")
@@ -155,29 +202,28 @@ def main() -> None:
                         MODELS[args.model][0], "--output-dir", str(args.checkpoint),
                         "--shards", str(SHARDS[args.model])], check=True, env=env)
     results = {}
-    for name in names:
-        cmd = command(args, name)
-        print(f"== {name}: tune {' '.join(cmd[3:])}", flush=True)
-        shutil.rmtree(run_dir(args, name) / "logs", ignore_errors=True)  # (see run_dir)
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.timeout)
-            res = parse(run_dir(args, name), proc.stdout, args.warmup) if proc.returncode == 0 else {
-                "error": (proc.stdout + proc.stderr)[-1500:]}
-        except subprocess.TimeoutExpired:
-            res = {"error": f"timed out after {args.timeout} s"}
-        results[name] = res
-        print(json.dumps({k: v for k, v in res.items() if k != "losses"}), flush=True)
-    base = results.get("torch_adamw" if args.job == "full" else "stock_as_shipped", {}).get("tokens_per_s")
-    print(f"\n| run | tokens/s | vs {'torch AdamW' if args.job == 'full' else 'stock'} | peak GPU GiB | host peak RSS GiB |")
-    print("|---|---|---|---|---|")
-    for name, r in results.items():
+    for repeat in range(args.repeats):
+        for name in names:
+            res = one_run(args, name, env)
+            print(json.dumps({k: v for k, v in res.items() if k not in ("losses", "step_tokens_per_s")}), flush=True)
+            results.setdefault(name, {"repeats": []})["repeats"].append(res)
+            save(args, results)  # after every run: a later one that fails keeps these
+    base_name = "torch_adamw" if args.job == "full" else "stock_as_shipped"
+    print(f"\n| run | tokens/s | vs {'torch AdamW' if args.job == 'full' else 'stock'} | "
+          "per-step ratio | peak GPU GiB | host peak RSS GiB |")
+    print("|---|---|---|---|---|---|")
+    for name, r in summarize(results, base_name, args.warmup).items():
         if "error" in r:
-            print(f"| {name} | FAILED | | | |")
+            print(f"| {name} | FAILED | | | | |")
             continue
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base and r["tokens_per_s"] else "-"
-        print(f"| {name} | {r['tokens_per_s']:,.0f} | {ratio} | {r['peak_gpu_gib']:.1f} | {r['host_peak_rss_gib']:.1f} |")
-    args.out.write_text(json.dumps({"kind": "stock", "settings": {k: str(v) for k, v in vars(args).items()},
-                                    "results": results}, indent=1))
+        base = results.get(base_name, {}).get("tokens_per_s")
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        paired = f"{r['paired_ratio']:.3f}" if r.get("paired_ratio") else "-"
+        each = [x["tokens_per_s"] for x in r["repeats"] if "error" not in x]
+        spread = f" ({', '.join(f'{t:,.0f}' for t in each)})" if len(each) > 1 else ""
+        print(f"| {name} | {r['tokens_per_s']:,.0f}{spread} | {ratio} | {paired} | "
+              f"{r['peak_gpu_gib']:.1f} | {r['host_peak_rss_gib']:.1f} |")
+    save(args, results)
     print(f"results: {args.out}")
 
 

@@ -333,3 +333,22 @@ def test_stock_bench_gives_every_run_the_same_batches(tmp_path):
                               seq_len=1024, batch_size=4, steps=12)
     for name in bench.RUNS["qlora"]:
         assert "seed=0" in bench.command(args, name)
+
+
+def test_stock_bench_pairs_the_steps_of_alternating_runs():
+    """With --repeats, a run's ratio to the baseline pairs step k of repeat j with the
+    baseline's step k of repeat j (the same batches), after the warmup steps."""
+    bench = _bench_module("bench_stock")
+
+    def run(steps):
+        return {"tokens_per_s": sum(steps[1:]) / len(steps[1:]), "peak_gpu_gib": 1.0,
+                "host_peak_rss_gib": 2.0, "step_tokens_per_s": steps}
+
+    results = {
+        "stock_as_shipped": {"repeats": [run([1, 100, 200]), run([1, 110, 220])]},
+        "ours_stock": {"repeats": [run([9, 90, 200]), {"error": "timed out"}]},
+    }
+    got = bench.summarize(results, "stock_as_shipped", warmup=1)
+    assert got["ours_stock"]["paired_ratio"] == (0.9 + 1.0) / 2  # the failed repeat pairs nothing
+    assert got["stock_as_shipped"]["paired_ratio"] == 1.0
+    assert got["stock_as_shipped"]["tokens_per_s"] == (150 + 165) / 2
