@@ -6,6 +6,7 @@ import threading
 import pytest
 import torch
 
+from offload_plugin import CPUOffloadOptimizer
 from offload_plugin.host_worker import HostUpdateError, HostWorker
 from reference_twin import assert_same_params, batch, make_model, offload, reference, train, trainable, twins
 
@@ -14,12 +15,12 @@ def _host_threads():
     return {t for t in threading.enumerate() if t.name == "offload-host-update"}
 
 
-def _overlapped(model, opt, steps, clipping=False):
+def _overlapped(model, opt, steps, clipping=False, early=False):
     """Two micro-batches per step, the scale announced before the last backward."""
     for step in range(steps):
         for micro in range(2):
             if micro == 1:
-                opt.overlap_next_step(grad_scale=0.25, clipping=clipping)
+                opt.overlap_next_step(grad_scale=0.25, clipping=clipping, early_forward=early)
             x, y = batch(step, micro, "cpu")
             ((model(x) - y) ** 2).sum().backward()
         if clipping:
@@ -58,15 +59,35 @@ def test_cpu_parameters_update_in_the_training_thread_exactly(cpu_inline, option
     assert ours._worker.inline and ours._worker.busy_s > 0
 
 
-@pytest.mark.parametrize("clipping", [False, True], ids=["scale", "scale_and_clip"])
-def test_cpu_parameters_overlapped_schedules_inline_match_torch(cpu_inline, clipping):
+@pytest.mark.parametrize("clipping,early", [(False, False), (True, False), (False, True)],
+                         ids=["scale", "scale_and_clip", "early_forward"])
+def test_cpu_parameters_overlapped_schedules_inline_match_torch(cpu_inline, clipping, early):
     """overlap_next_step: each update runs in its gradient's hook, inside backward."""
     ours_model, ref_model = twins()
     ours = offload(ours_model, lr=1e-2, offload_gradients=True)
     ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
     _overlapped_reference(ref_model, ref, 3, clipping)
-    _overlapped(ours_model, ours, 3, clipping)
+    _overlapped(ours_model, ours, 3, clipping, early)
+    ours.finish_step()
     assert_same_params(ours_model, ref_model, exact=True)
+
+
+def test_cpu_parameters_in_backward_inline_match_torch(cpu_inline):
+    """torchtune's optimizer_in_bwd: one optimizer per parameter, stepped in its hook."""
+    from torchtune import training  # imported late: torchtune takes ~5 s
+
+    ref_model, model = twins()
+    training.register_optim_in_bwd_hooks(
+        ref_model, {p: torch.optim.AdamW([p], lr=1e-2, fused=True) for p in trainable(ref_model)})
+    ours = {p: CPUOffloadOptimizer([p], lr=1e-2) for p in trainable(model)}
+    training.register_optim_in_bwd_hooks(model, ours)
+    for step in range(3):
+        for m in (ref_model, model):
+            x, y = batch(step, 0, "cpu")
+            ((m(x) - y) ** 2).sum().backward()
+    assert_same_params(model, ref_model, exact=True)
+    assert all(o._worker.inline for o in ours.values())
+
 
 
 def test_cpu_parameters_delayed_update_inline_is_the_threaded_result(cpu_inline, monkeypatch):
