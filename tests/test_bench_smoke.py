@@ -352,3 +352,16 @@ def test_stock_bench_pairs_the_steps_of_alternating_runs():
     assert got["ours_stock"]["paired_ratio"] == (0.9 + 1.0) / 2  # the failed repeat pairs nothing
     assert got["stock_as_shipped"]["paired_ratio"] == 1.0
     assert got["stock_as_shipped"]["tokens_per_s"] == (150 + 165) / 2
+
+
+def test_step_overhead_bench_cpu_smoke():
+    """bench/step_overhead.py runs on the CPU, back to back and --cold, and times every
+    variant."""
+    for extra in ([], ["--cold"]):
+        proc = subprocess.run([sys.executable, str(REPO / "bench" / "step_overhead.py"), "--steps", "2", *extra],
+                              capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        got = json.loads(proc.stdout[proc.stdout.index("{"):])
+        assert got["tensors"] == 192 and got["cold"] == bool(extra)
+        assert set(got["median_step_ms"]) == {"torch_adamw_on_device", "ours_default", "ours_offload_gradients"}
+        assert all(ms > 0 for ms in got["median_step_ms"].values())

@@ -178,3 +178,43 @@ def test_plain_step_on_the_gpu_judges_gradients_as_they_leave(bad):
         ref.step()
         ref.zero_grad()
         assert all(torch.equal(p.cpu(), h.detach()) for p, h in zip(params, host)), step
+
+
+def test_stock_lora_recipes_plain_step_judges_on_the_way_from_the_first_step(monkeypatch, device="cuda"):
+    """torchtune's lora_finetune_single_device with the drop-in: QLoRA adapters (bf16) of a
+    model built on the GPU, model.parameters() handed over (NF4 base included), gradients
+    accumulated over micro-batches and scaled by torchtune's scale_grads with a tensor on
+    the GPU. Every step, the first included, takes the one-batch judged path (no separate
+    inf/NaN pass before the copies)."""
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+    from torchtune.training import scale_grads, set_default_dtype
+
+    from offload_plugin import CPUOffloadOptimizer
+    from offload_plugin.demo import qlora_tiny_llama
+    from offload_plugin.scaling import Scaling
+
+    separate = []  # (step, why the judged path was not taken)
+    checked = Scaling.step_is_finite
+
+    def separate_check(self, grads, meshes):
+        separate.append((step, len(opt._grads.copy_batches(opt._slots.in_order(opt._params()))),
+                         self.finite.finite(grads), opt._device_share, opt._slots.sharded))
+        return checked(self, grads, meshes)
+
+    monkeypatch.setattr(Scaling, "step_is_finite", separate_check)
+    torch.manual_seed(0)
+    with set_default_dtype(torch.bfloat16), torch.device(device):  # as the recipe builds it
+        model = qlora_tiny_llama(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
+                                 lora_rank=8, lora_alpha=16)
+    set_trainable_params(model, get_adapter_params(model))
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (2, 32), device=device)
+    for step in range(3):
+        num_tokens = torch.zeros((), device=device, dtype=torch.long)
+        for micro in range(2):
+            num_tokens += tokens.numel()
+            (model(tokens).float().mean() * tokens.numel()).backward()
+        scale_grads(model, 1 / num_tokens)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert separate == [], separate
