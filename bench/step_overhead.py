@@ -1,17 +1,17 @@
 """The fixed cost of one optimizer step over a few hundred small tensors (LoRA adapters).
 
-Llama-3.2-1B's QLoRA adapters as torchtune's 1B QLoRA config builds them (rank 8 on q, v,
-output and the three MLP projections of 16 layers: 192 tensors, about 5.3M elements),
-bf16 on the device. Times ``step()`` (until the updated weights are on the device) for
-ours with default options against torch's fused AdamW on the device, gradients set
-beforehand, median over ``--steps``. ``--cold`` reads 512 MiB of other host memory and
-sleeps 0.2 s before each step, as a training loop does between steps (torchtune's 1B
-QLoRA config steps every 1.4 s): the update's state is then out of the CPU's caches and
-its cores idle, which the back-to-back steps of the default do not show. Run on the GPU
-machine:
+Llama-3.2-1B's LoRA adapters on q, v, output and the three MLP projections of its 16
+layers (192 tensors), bf16 on the device, at rank 8 by default: about 5.3M elements, so
+that the step's cost per tensor shows. ``--rank 64`` gives torchtune's own 1B QLoRA
+config (42.5M elements, 85 MB of gradients each way). Times ``step()`` (until the updated
+weights are on the device) for ours with default options against torch's fused AdamW on
+the device, gradients set beforehand, median over ``--steps``. ``--cold`` reads 512 MiB
+of other host memory and sleeps 0.2 s before each step, as a training loop does between
+steps (that config steps every 1.4 s): the update's state is then out of the CPU's
+caches and its cores idle, which back-to-back steps do not show. Run on the GPU machine:
 
     python bench/step_overhead.py
-    python bench/step_overhead.py --cold
+    python bench/step_overhead.py --rank 64 --cold
 """
 
 from __future__ import annotations
@@ -25,16 +25,16 @@ import torch
 
 from offload_plugin import CPUOffloadOptimizer
 
-DIM, HIDDEN, LAYERS, RANK = 2048, 8192, 16, 8
+DIM, HIDDEN, LAYERS = 2048, 8192, 16
 # (in, out) of each adapted linear; LoRA adds A (rank x in) and B (out x rank).
 LINEARS = [(DIM, DIM), (DIM, 512), (DIM, DIM), (DIM, HIDDEN), (DIM, HIDDEN), (HIDDEN, DIM)]
 
 
-def adapters(device) -> list:
+def adapters(device, rank: int = 8) -> list:
     shapes = []
     for _ in range(LAYERS):
         for fan_in, fan_out in LINEARS:
-            shapes += [(RANK, fan_in), (fan_out, RANK)]
+            shapes += [(rank, fan_in), (fan_out, rank)]
     g = torch.Generator().manual_seed(0)
     return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, torch.bfloat16) * 0.01) for s in shapes]
 
@@ -64,6 +64,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also print where ours_default's step spends its time")
     p.add_argument("--only", default=None, help="time only this variant (e.g. under a sampling profiler)")
     p.add_argument("--cold", action="store_true", help="evict the caches and idle before each step")
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (torchtune's 1B QLoRA config: 64)")
     args = p.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     results = {}
@@ -74,20 +75,20 @@ def main() -> None:
     }.items():
         if args.only is not None and name != args.only:
             continue
-        params = adapters(device)
+        params = adapters(device, args.rank)
         results[name] = time_steps(params, make(params), args.steps, device, args.cold) * 1e3
     if args.profile:
         import cProfile
         import pstats
 
-        params = adapters(device)
+        params = adapters(device, args.rank)
         opt = CPUOffloadOptimizer(params, lr=1e-4)
         time_steps(params, opt, 3, device)
         with cProfile.Profile() as prof:
             time_steps(params, opt, args.steps, device)
         pstats.Stats(prof).sort_stats("tottime").print_stats(15)
-    n = len(adapters("cpu"))
-    print(json.dumps({"tensors": n, "elements": sum(x.numel() for x in adapters("cpu")),
+    shapes = adapters("cpu", args.rank)
+    print(json.dumps({"tensors": len(shapes), "elements": sum(x.numel() for x in shapes), "rank": args.rank,
                       "cold": args.cold, "median_step_ms": results}, indent=1))
 
 

@@ -355,13 +355,13 @@ def test_stock_bench_pairs_the_steps_of_alternating_runs():
 
 
 def test_step_overhead_bench_cpu_smoke():
-    """bench/step_overhead.py runs on the CPU, back to back and --cold, and times every
-    variant."""
-    for extra in ([], ["--cold"]):
+    """bench/step_overhead.py runs on the CPU, back to back and --cold, at rank 8 (192
+    tensors of 5.3M elements in all) and another rank, and times every variant."""
+    for extra, elements in (([], 5308416), (["--cold", "--rank", "2"], 5308416 // 4)):
         proc = subprocess.run([sys.executable, str(REPO / "bench" / "step_overhead.py"), "--steps", "2", *extra],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         got = json.loads(proc.stdout[proc.stdout.index("{"):])
-        assert got["tensors"] == 192 and got["cold"] == bool(extra)
+        assert got["tensors"] == 192 and got["elements"] == elements and got["cold"] == bool(extra)
         assert set(got["median_step_ms"]) == {"torch_adamw_on_device", "ours_default", "ours_offload_gradients"}
         assert all(ms > 0 for ms in got["median_step_ms"].values())

@@ -181,11 +181,12 @@ def test_plain_step_on_the_gpu_judges_gradients_as_they_leave(bad):
 
 
 def test_stock_lora_recipes_plain_step_judges_on_the_way_from_the_first_step(monkeypatch, device="cuda"):
-    """torchtune's lora_finetune_single_device with the drop-in: QLoRA adapters (bf16) of a
-    model built on the GPU, model.parameters() handed over (NF4 base included), gradients
+    """As torchtune's lora_finetune_single_device runs the drop-in: QLoRA adapters (bf16) of
+    a model built on the GPU, model.parameters() handed over (NF4 base included), gradients
     accumulated over micro-batches and scaled by torchtune's scale_grads with a tensor on
-    the GPU. Every step, the first included, takes the one-batch judged path (no separate
-    inf/NaN pass before the copies)."""
+    the GPU. Adapters that fit one copy batch take the judged path at every step, the first
+    included (no separate inf/NaN pass before the copies). (torchtune's own 1B QLoRA config,
+    rank 64, has 85 MB of adapter gradients: several batches, checked first by design.)"""
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
     from torchtune.training import scale_grads, set_default_dtype
 
