@@ -365,3 +365,17 @@ def test_step_overhead_bench_cpu_smoke():
         assert got["tensors"] == 192 and got["elements"] == elements and got["cold"] == bool(extra)
         assert set(got["median_step_ms"]) == {"torch_adamw_on_device", "ours_default", "ours_offload_gradients"}
         assert all(ms > 0 for ms in got["median_step_ms"].values())
+
+
+def test_omp_teams_bench_cpu_smoke():
+    """bench/omp_teams.py times the native update in a host thread with and without the
+    training thread's OpenMP team, and in the training thread itself."""
+    from offload_plugin import native_adam
+
+    if native_adam.kernel() is None:
+        pytest.skip("no native kernel here (no C++ compiler)")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "omp_teams.py"), "--numel", "65536", "--calls", "5"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert len(got["us_per_call"]) == 3 and all(us > 0 for us in got["us_per_call"].values())
