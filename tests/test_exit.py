@@ -7,7 +7,9 @@ collective after reporting it done, and releasing a tensor that has a Python obj
 the GIL; a thread still waiting for it when the interpreter finalizes is ended with
 pthread_exit, which aborts the process ('terminate called without an active exception',
 status -6). See offload_plugin/distributed.py (_RECENT_WORK). The race is narrow, so a pass
-here is evidence, not proof; a failure is a real abort at exit.
+here is evidence, not proof; a failure is a real abort at exit. Each runs with the update
+in the training thread (CPU parameters' default) and in the host worker's thread (as on a
+GPU; see tests/conftest.py).
 """
 
 import os
@@ -22,9 +24,10 @@ _TRAIN = textwrap.dedent(
     """
     import sys
     import torch
-    from offload_plugin import CPUOffloadOptimizer
+    from offload_plugin import CPUOffloadOptimizer, process
 
     rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    process._INLINE_ON_CPU = sys.argv[4] == "inline"
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Tanh(), torch.nn.Linear(5, 1))
@@ -53,12 +56,12 @@ _TRAIN = textwrap.dedent(
 )
 
 
-def _launch(tmp_path, world: int, run: int) -> list:
+def _launch(tmp_path, world: int, run: int, where: str) -> list:
     store = str(tmp_path / f"rendezvous{run}")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return [
         subprocess.Popen(
-            [sys.executable, "-c", _TRAIN, str(rank), str(world), store],
+            [sys.executable, "-c", _TRAIN, str(rank), str(world), store, where],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )
         for rank in range(world)
@@ -73,12 +76,16 @@ def _check(procs) -> None:
         assert proc.returncode == 0, f"rank {rank} exited with {proc.returncode}:\n{err}"
 
 
-def test_single_process_exits_normally(tmp_path):
-    _check(_launch(tmp_path, 1, 0))
+WHERE = ["inline", "host_thread"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_single_process_exits_normally(tmp_path, where):
+    _check(_launch(tmp_path, 1, 0, where))
 
 
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
-@pytest.mark.parametrize("run", range(2))
-def test_every_gloo_rank_exits_normally(tmp_path, run):
+@pytest.mark.parametrize("where", WHERE)
+def test_every_gloo_rank_exits_normally(tmp_path, where):
     """Both ranks of an FSDP2 run, each ending right after the optimizer's collectives."""
-    _check(_launch(tmp_path, 2, run))
+    _check(_launch(tmp_path, 2, 0, where))
