@@ -202,7 +202,8 @@ def test_process_exits_cleanly_with_an_update_pending():
 
     script = (
         "import torch\n"
-        "from offload_plugin import CPUOffloadOptimizer\n"
+        "from offload_plugin import CPUOffloadOptimizer, process\n"
+        "process._INLINE_ON_CPU = False\n"  # the host thread, whose update is still running
         "m = torch.nn.Linear(512, 512)\n"
         "opt = CPUOffloadOptimizer(m.parameters(), lr=1e-3, fused=True, delayed_update=True)\n"
         "for _ in range(3):\n"

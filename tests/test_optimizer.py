@@ -676,9 +676,10 @@ def test_host_buffers_and_state_are_backed_by_huge_pages():
 _THREAD_COUNT_PROBE = """
 import torch
 from torch import nn
-from offload_plugin import CPUOffloadOptimizer
+from offload_plugin import CPUOffloadOptimizer, process
 from offload_plugin.demo import tiny_llama
 
+process._INLINE_ON_CPU = False  # host_threads applies to the host thread (CPU parameters: inline)
 torch.manual_seed(0)
 probe = tiny_llama()
 tokens = torch.randint(0, probe.tok_embeddings.num_embeddings, (2, 200))
