@@ -212,11 +212,12 @@ def main() -> None:
     print(f"\n| run | tokens/s | vs {'torch AdamW' if args.job == 'full' else 'stock'} | "
           "per-step ratio | peak GPU GiB | host peak RSS GiB |")
     print("|---|---|---|---|---|---|")
-    for name, r in summarize(results, base_name, args.warmup).items():
+    summarize(results, base_name, args.warmup)
+    base = results.get(base_name, {}).get("tokens_per_s")
+    for name, r in results.items():
         if "error" in r:
             print(f"| {name} | FAILED | | | | |")
             continue
-        base = results.get(base_name, {}).get("tokens_per_s")
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         paired = f"{r['paired_ratio']:.3f}" if r.get("paired_ratio") else "-"
         each = [x["tokens_per_s"] for x in r["repeats"] if "error" not in x]

@@ -193,10 +193,10 @@ class Updates:
         ordered = sorted(slots, key=_by_order)
         start = time.perf_counter()
         self.grads.settle_all(ordered)
-        if plan.verdict is not None and not plan.verdict():
-            self.worker.waited_s += time.perf_counter() - start
-            return  # (skipped as a whole: nothing updated, nothing sent)
+        skipped = plan.verdict is not None and not plan.verdict()
         self.worker.waited_s += time.perf_counter() - start
+        if skipped:
+            return  # (skipped as a whole: nothing updated, nothing sent)
         finite = ordered
         if plan.check_each:
             # Updates that overlap backward cannot wait for a verdict on all gradients:
