@@ -28,14 +28,18 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODELS = {  # model -> (torchtune builder, stock full config, stock QLoRA config, our full config,
-    #            our QLoRA config); the checkpoint's files are as the configs name them (SHARDS)
-    "1b": ("torchtune.models.llama3_2.llama3_2_1b", "llama3_2/1B_full_single_device",
-           "llama3_2/1B_qlora_single_device", "configs/llama3_2/1B_full_offload_single_device.yaml",
-           "configs/llama3_2/1B_qlora_offload_single_device.yaml"),
-    "8b": ("torchtune.models.llama3_1.llama3_1_8b", "llama3_1/8B_full_single_device",
-           "llama3_1/8B_qlora_single_device", "configs/llama3_1/8B_full_offload_single_device.yaml",
-           "configs/llama3_1/8B_qlora_offload_single_device.yaml"),
+MODELS = {  # model -> torchtune builder, and per job: (torchtune's stock config, our config);
+    #            the checkpoint's files are as the configs name them (SHARDS)
+    "1b": ("torchtune.models.llama3_2.llama3_2_1b", {
+        "full": ("llama3_2/1B_full_single_device", "configs/llama3_2/1B_full_offload_single_device.yaml"),
+        "qlora": ("llama3_2/1B_qlora_single_device", "configs/llama3_2/1B_qlora_offload_single_device.yaml"),
+        "lora": ("llama3_2/1B_lora_single_device", "configs/llama3_2/1B_lora_offload_single_device.yaml"),
+    }),
+    "8b": ("torchtune.models.llama3_1.llama3_1_8b", {
+        "full": ("llama3_1/8B_full_single_device", "configs/llama3_1/8B_full_offload_single_device.yaml"),
+        "qlora": ("llama3_1/8B_qlora_single_device", "configs/llama3_1/8B_qlora_offload_single_device.yaml"),
+        "lora": ("llama3_1/8B_lora_single_device", "configs/llama3_1/8B_lora_offload_single_device.yaml"),
+    }),
 }
 SHARDS = {"1b": 1, "8b": 4}  # safetensors files the configs' checkpointer lists
 OURS = "optimizer._component_=offload_plugin.CPUOffloadOptimizer"
@@ -70,6 +74,7 @@ RUNS = {
                                                       "optimizer.accumulate_on_device=True"]),
     },
 }
+RUNS["lora"] = dict(RUNS["qlora"])  # the same runs with bf16 base weights instead of NF4
 LAUNCH = (  # tune in this process, so that its peak RSS is the recipe's
     "import resource, runpy, sys\n"
     "try:\n"
@@ -86,14 +91,13 @@ def run_dir(args, name: str) -> Path:
 
 
 def command(args, name: str) -> list[str]:
-    builder, stock_full, stock_qlora, ours_full, ours_qlora = MODELS[args.model]
+    stock_config, our_config = MODELS[args.model][1][args.job]
     recipe, overrides = RUNS[args.job][name]
+    recipe_name = "full_finetune_single_device" if args.job == "full" else "lora_finetune_single_device"
     if recipe == "stock":
-        target = ["full_finetune_single_device" if args.job == "full" else "lora_finetune_single_device",
-                  "--config", stock_full if args.job == "full" else stock_qlora]
+        target = [recipe_name, "--config", stock_config]
     else:
-        script = "full_finetune_single_device.py" if args.job == "full" else "lora_finetune_single_device.py"
-        target = [f"offload_plugin/recipes/{script}", "--config", ours_full if args.job == "full" else ours_qlora]
+        target = [f"offload_plugin/recipes/{recipe_name}.py", "--config", our_config]
     out = run_dir(args, name)
     data = args.work / "demo" / "alpaca_tiny.json"
     common = [

@@ -335,6 +335,33 @@ def test_stock_bench_gives_every_run_the_same_batches(tmp_path):
         assert "seed=0" in bench.command(args, name)
 
 
+def test_stock_bench_runs_name_real_recipes_and_configs(tmp_path):
+    """Every run of every job and model launches a recipe with a config that exists:
+    torchtune's own (from its registry, for the recipe run) or ours (a file here)."""
+    import argparse
+
+    from torchtune._recipe_registry import get_all_recipes
+
+    bench = _bench_module("bench_stock")
+    stock = {r.name: {c.name for c in r.configs} for r in get_all_recipes()}
+    for model in bench.MODELS:
+        for job in bench.RUNS:
+            args = argparse.Namespace(work=tmp_path, job=job, model=model, checkpoint=tmp_path / "ckpt",
+                                      seq_len=1024, batch_size=4, steps=12)
+            for name, (recipe, _) in bench.RUNS[job].items():
+                cmd = bench.command(args, name)
+                target, config = cmd[4], cmd[cmd.index("--config") + 1]
+                if recipe == "stock":
+                    assert config in stock[target], (model, job, name)
+                else:
+                    # (our recipes install as the package offload_plugin.recipes: see README)
+                    script = REPO / "recipes" / Path(target).relative_to("offload_plugin/recipes")
+                    assert script.is_file() and (REPO / config).is_file(), (model, job, name)
+                want = "full_finetune" if job == "full" else "lora_finetune"
+                assert want in target and (job == "full") == ("full" in config), (model, job, name)
+                assert ("qlora" in config) == (job == "qlora"), (model, job, name)
+
+
 def test_stock_bench_pairs_the_steps_of_alternating_runs():
     """With --repeats, a run's ratio to the baseline pairs step k of repeat j with the
     baseline's step k of repeat j (the same batches), after the warmup steps."""
@@ -379,3 +406,15 @@ def test_omp_teams_bench_cpu_smoke():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     got = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert len(got["us_per_call"]) == 3 and all(us > 0 for us in got["us_per_call"].values())
+
+
+def test_launch_rate_bench_cpu_smoke():
+    """bench/launch_rate.py times a burst of small ops after a step of each optimizer (and of
+    none), relative to none."""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "launch_rate.py"), "--rounds", "2",
+                           "--launches", "50"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    got = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert set(got["median_us_per_launch"]) == {"no_optimizer", "torch_adamw_on_device", "ours_default"}
+    assert all(us > 0 for us in got["median_us_per_launch"].values())
+    assert got["vs_no_optimizer"]["no_optimizer"] == 1.0
