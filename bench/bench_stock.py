@@ -143,6 +143,11 @@ def one_run(args, name: str, env: dict) -> dict:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
+    # What the recipe saved at the end goes at once (the logs stay): an 8B model's weights
+    # are 16 GB a run, and the GPU machine's 64 GB disk filled up after three runs.
+    for saved in run_dir(args, name).glob("*"):
+        if saved.name != "logs":
+            shutil.rmtree(saved) if saved.is_dir() else saved.unlink()
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-1500:]}
     return parse(run_dir(args, name), proc.stdout, args.warmup)
