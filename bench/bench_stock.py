@@ -13,6 +13,7 @@ same batches (see ``summarize``).
     python bench/bench_stock.py --job full --model 1b
     python bench/bench_stock.py --job full --model 1b --runs ours_stock,torch_adamw --steps 4  # a subset
     python bench/bench_stock.py --job qlora --model 1b --runs stock_as_shipped,ours_stock --repeats 3 --steps 30 --warmup 5
+    python bench/bench_stock.py --job lora --model 8b --runs stock_as_shipped,ours_stock --steps 6  # bf16 base weights
 """
 
 from __future__ import annotations
