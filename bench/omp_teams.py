@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import threading
 import time
 
 import torch
 
 from offload_plugin import native_adam
+
+from host_update_rate import _in_thread  # a fresh thread with its own thread count, as the host worker
 
 
 def time_calls(kernel, tensors, calls: int, threads: int, gap_s: float) -> float:
@@ -42,14 +43,6 @@ def time_calls(kernel, tensors, calls: int, threads: int, gap_s: float) -> float
     return total / calls
 
 
-def in_a_thread(fn):
-    out = []
-    thread = threading.Thread(target=lambda: out.append(fn()), name="offload-host-update")
-    thread.start()
-    thread.join()
-    return out[0]
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--numel", type=int, default=1 << 22, help="elements per call (the host worker's batch)")
@@ -65,15 +58,14 @@ def main() -> None:
     tensors = []  # filled by the first host thread: the training thread runs no parallel op before
 
     def worker():
-        torch.set_num_threads(threads)  # as the host worker does
         if not tensors:
             tensors.extend(torch.zeros(n, dtype=torch.bfloat16) for _ in range(4))
             tensors[1].fill_(1e-3)
         return time_calls(kernel, tensors, args.calls, threads, args.gap_ms / 1e3)
 
-    results = {"host thread, training thread without a team": in_a_thread(worker)}
+    results = {"host thread, training thread without a team": _in_thread(worker, threads)}
     torch.ones(1 << 24).add_(1)  # the training thread's own team, over all its threads
-    results["host thread, training thread with its team"] = in_a_thread(worker)
+    results["host thread, training thread with its team"] = _in_thread(worker, threads)
     results["training thread itself"] = time_calls(kernel, tensors, args.calls, threads, args.gap_ms / 1e3)
     print(json.dumps({"numel": n, "calls": args.calls, "gap_ms": args.gap_ms, "cores": cores,
                       "host_threads": threads,
