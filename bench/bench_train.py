@@ -135,6 +135,23 @@ def _ours_in_bwd(model, args, **kw):
     return _InBackward(model, lambda ps: CPUOffloadOptimizer(ps, lr=LR, host_threads=args.host_threads, **kw))
 
 
+def _host_update(make):
+    """``make`` with the streamed update switched off: the host update, for comparison."""
+    def build(*args):
+        from offload_plugin import streamed
+
+        streamed.ENABLED = False  # (each optimizer runs in a process of its own)
+        return make(*args)
+    return build
+
+
+def _ours_default(model, args):
+    """What plain Python gets: ``CPUOffloadOptimizer(model.parameters(), lr=...)``."""
+    from offload_plugin import CPUOffloadOptimizer
+
+    return CPUOffloadOptimizer(model.parameters(), lr=LR)
+
+
 class _NoUpdate:
     """The floor for peak GPU memory: every gradient is freed as soon as backward has made
     it and nothing is updated. Peak memory above this run's is what an optimizer's
@@ -187,8 +204,13 @@ OPTIMIZERS = {
                                                          optimizer_cls="offload_plugin.CompactAdamW"),
     "torchao": _torchao,
     "bnb_paged8bit": _bnb,
+    # No options at all, as plain Python gets it (the streamed update on a GPU), and the same
+    # with the host update.
+    "offload_default": lambda m, t, a: _ours_default(m, a),
+    "offload_default_host": _host_update(lambda m, t, a: _ours_default(m, a)),
     # optimizer_in_bwd as torchtune's stock full-finetune configs set it, default options.
     "offload_in_bwd": lambda m, t, a: _ours_in_bwd(m, a),
+    "offload_in_bwd_host": _host_update(lambda m, t, a: _ours_in_bwd(m, a)),
     "gpu_adamw_in_bwd": lambda m, t, a: _InBackward(m, lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True)),
 }
 DEFAULT_OPTIMIZERS = "gpu_adamw,offload,offload_grads,torchao,bnb_paged8bit"

@@ -305,20 +305,28 @@ def allocate_landing(slots: list[HostSlot], arena: "ArenaAccount") -> None:
             slot.incoming = view.view(slot.grad.shape)
 
 
-def allocate_moments(slots: list[HostSlot]) -> None:
+def allocate_moments(slots: list[HostSlot], pin: bool = False) -> None:
     """Give each slot ``moments``: two views shaped like its master, from two blocks per
     dtype asked to be backed by huge pages (see _advise_huge_pages). The update streams
     through the moments every step beside the transfers' DMA, and per-tensor allocations
     get few huge pages or none (a bf16 Llama k projection's moment is 2 MiB). With all host
     memory in huge pages, 1B training steps on the H200 machine took 6-8% less time than
     with default pages (bench/results/2026-11-30-x2-s7-ab-*). Nothing is touched here:
-    pages are faulted in when the state is created (zero-filled) at the first update."""
+    pages are faulted in when the state is created (zero-filled) at the first update.
+    ``pin``: the streamed update copies them to and from the GPU (page-locked now)."""
     by_dtype: dict[torch.dtype, list[HostSlot]] = {}
     for slot in slots:
         by_dtype.setdefault(slot.master.dtype, []).append(slot)
     for dtype, group in by_dtype.items():
         sizes = [slot.master.numel() for slot in group]
-        blocks = [_huge_page_block(sum(sizes), dtype).split(sizes) for _ in range(2)]
+        blocks = []
+        for _ in range(2):
+            block = _huge_page_block(sum(sizes), dtype)
+            if pin and block.numel() and not _pin(block):
+                log.warning("Could not pin %.2f GiB of host memory for optimizer state; using "
+                            "pageable memory (slower updates). Check `ulimit -l` and free RAM.",
+                            block.numel() * block.element_size() / 2**30)
+            blocks.append(block.split(sizes))
         for slot, m, v in zip(group, *blocks):
             slot.moments = (m.view(slot.master.shape), v.view(slot.master.shape))
 

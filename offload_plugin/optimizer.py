@@ -9,7 +9,8 @@ job each:
 - ``gradients``: the gradient path (offloaded during backward, or copied at step);
 - ``scaling``: scale, clip and the inf/NaN verdict;
 - ``schedules``: what a step does (one table; a module per schedule), over ``updates``,
-  the host update queue;
+  the host update queue, or ``streamed``, the update on the GPU with the state streamed
+  from host memory;
 - ``weight_sync``: weights changed outside the optimizer;
 - ``checkpoint``: the state dict;
 - ``process``: what all instances in a process share (host worker, transfer streams).
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin import checkpoint, host_memory, process, schedules
+from offload_plugin import checkpoint, host_memory, process, schedules, streamed
 from offload_plugin.checkpoint_compat import TORCHAO_MINIMAL_SIZE
 from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, check_rows_sharded, local_part
@@ -76,6 +77,8 @@ class _StateByParam(MutableMapping):
         owner = self._owner
         slot = owner._slots.get(param)
         if slot is not None:
+            if owner._streamed is not None:  # the state as the last step left it
+                owner._streamed.settle()
             return owner._host_optimizer.state, slot.master
         if owner._device_share is not None and param in owner._device_share:
             return owner._device_share.optimizer.state, owner._device_share.target[param]
@@ -100,6 +103,8 @@ class _StateByParam(MutableMapping):
         """A parameter's state dict was replaced: the host update's batches held it."""
         if self._owner._host_optimizer is not None and state is self._owner._host_optimizer.state:
             forget_batches(self._owner._host_optimizer)
+            if self._owner._streamed is not None:
+                self._owner._streamed.forget_state()
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (p for p in self._owner._params() if p in self)
@@ -256,6 +261,10 @@ class CPUOffloadOptimizer(Optimizer):
             if self._keep_ids else None
         )
         self._hooks: list = []
+        # The update on the device with the state streamed from host memory, where it gives
+        # torch's result (streamed.eligible), else None: the host update.
+        self._streamed: Optional[streamed.StreamedUpdate] = None
+        self._eligible_for_streaming = True
         self._shared = self._transfers = self._arena = self._worker = None
         self._grads: Optional[GradientPath] = None
         self._updates: Optional[Updates] = None
@@ -302,10 +311,12 @@ class CPUOffloadOptimizer(Optimizer):
                     "update runs in host memory with synchronous copies.", self._transfers.device)
         log.log(
             level,
-            "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) on the host%s; "
+            "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) %s%s; "
             "skipped %d frozen tensors (%s elements).",
             self.optimizer_cls.__name__, c["kept"] - c["on_device"],
             f"{c['kept_numel'] - c['on_device_numel']:,}",
+            "with the state in host memory, updated on the device as torch's fused AdamW "
+            "(the state streamed through it)" if self._streamed is not None else "on the host",
             f" and {c['on_device']} ({c['on_device_numel']:,} elements) on the device"
             if c["on_device"] else "",
             c["frozen"], f"{c['frozen_numel']:,}",
@@ -400,8 +411,10 @@ class CPUOffloadOptimizer(Optimizer):
             self._host_optimizer = self.optimizer_cls([host_group], **self._optimizer_kwargs)
         else:
             self._host_optimizer.add_param_group(host_group)
+        self._choose_update(group, params)
         if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
-            allocate_moments(slots)  # (the fused path creates Adam's state itself)
+            # (the fused path creates Adam's state itself)
+            allocate_moments(slots, pin=self._streamed is not None and self._arena.pin)
         shard_of = getattr(self._host_optimizer, "shard_of", None)  # (CompactAdamW lays out shards' state)
         for slot in slots:
             slot.on_replaced = getattr(self._host_optimizer, "weight_replaced", None)
@@ -417,6 +430,19 @@ class CPUOffloadOptimizer(Optimizer):
         self._counts["kept_numel"] += sum(p.numel() for p in shards) + sum(p.numel() for p in on_device)
         self._counts["on_device"] += len(on_device)
         self._counts["on_device_numel"] += sum(p.numel() for p in on_device)
+
+    def _choose_update(self, group: dict, params: list) -> None:
+        """Stream the state through the device (streamed) while every group allows it; a
+        group that does not turns it off for all, the host update taking over from the
+        state as it is (its masters adopt the weights at the next step: weight_sync)."""
+        self._eligible_for_streaming &= streamed.eligible(self, group, params)
+        if self._eligible_for_streaming and self._streamed is None and params:
+            self._streamed = streamed.StreamedUpdate(self)
+        elif not self._eligible_for_streaming and self._streamed is not None:
+            self._streamed.settle()
+            self._streamed = None
+            for slot in self._slots:  # the host copies are stale: adopt every weight
+                slot.mark = ()
 
     def _setup_device(self, device: torch.device) -> None:
         self._shared = process.resources(device, self.host_threads)
@@ -709,6 +735,8 @@ class CPUOffloadOptimizer(Optimizer):
         self._finish_pending()
 
     def _finish_pending(self) -> None:
+        if self._streamed is not None:
+            self._streamed.settle()
         in_backward.finish(self)
         early_forward.finish(self)
         delayed.finish(self)
@@ -716,7 +744,10 @@ class CPUOffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------ changed weights
     def _adopt_changed_weights(self) -> None:
         """Take over weights changed outside the optimizer since its host copies last
-        matched them (see weight_sync): before a step's first update reads a master."""
+        matched them (see weight_sync): before a step's first update reads a master. (The
+        streamed update reads no master: the device weights are what it updates.)"""
+        if self._streamed is not None:
+            return
         for slot in changed_slots(self._slots):
             adopt_weight(slot)
         if self._device_share is not None:
@@ -795,6 +826,8 @@ class CPUOffloadOptimizer(Optimizer):
         checkpoint.apply_state(self, plan)
         if self._host_optimizer is not None:
             forget_batches(self._host_optimizer)
+        if self._streamed is not None:
+            self._streamed.forget_state()
         # The one place where loading writes master weights and device weights.
         checkpoint.write_weights(self, plan)
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -31,11 +31,13 @@ __all__ = ["Resources", "resources"]
 
 @dataclasses.dataclass(eq=False)
 class Resources:
-    """One device's transfer streams, a host worker, and host arenas (pinned or not)."""
+    """One device's transfer streams, a host worker, host arenas (pinned or not), and the
+    device buffers that the streamed update passes moments through."""
 
     transfers: Transfers
     worker: HostWorker
     arenas: dict = dataclasses.field(default_factory=dict)  # pin -> HostArena
+    staging: dict = dataclasses.field(default_factory=dict)  # (device, dtype) -> streamed.StagingRing
 
     def arena(self, pin: bool) -> HostArena:
         pin = pin and self.transfers.is_async

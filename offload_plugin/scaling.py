@@ -187,6 +187,12 @@ class Scaling:
                     "was skipped: no master weight or optimizer state changed")
         self._report(what)
 
+    def report_step_skipped(self, count: int) -> None:
+        """Report a step skipped as a whole where the gradients are no longer there to count
+        the non-finite ones (the streamed update learns its verdict after the step)."""
+        self._report(f"a gradient held an inf or NaN, so the step was skipped for all {count} "
+                     "parameters: no weight or optimizer state changed")
+
     def report_spared(self, updated: int, skipped: int) -> None:
         """Report updates spared one by one (each judged its own gradient)."""
         if not skipped:

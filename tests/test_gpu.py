@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from offload_plugin import streamed
 from offload_plugin.transfer import Transfers
 from reference_twin import CUDA, offload, trainable
 
@@ -145,13 +146,16 @@ def test_gradient_check_on_the_gpu_finds_any_nonfinite_value_and_changes_nothing
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_plain_step_on_the_gpu_judges_gradients_as_they_leave(bad):
+def test_plain_step_on_the_gpu_judges_gradients_as_they_leave(bad, monkeypatch):
     """A plain step judges the gradients on the device as they are copied (packed small ones
     and a large one alone): one inf or NaN anywhere skips the step with nothing changed;
     finite steps (one whose sum of absolute values overflows among them) match torch's
     fused AdamW on host copies bit for bit."""
     from offload_plugin.transfer import PACK_MAX_BYTES
 
+    # The host update's plain step (master weights, amsgrad, other optimizers take it on a
+    # GPU); with these settings the streamed update would run (test_streamed_gpu.py).
+    monkeypatch.setattr(streamed, "ENABLED", False)
     torch.manual_seed(0)
     shapes = [(8, 64)] * 40 + [(PACK_MAX_BYTES // 2 + 64,)]  # bf16: the last one is copied alone
     params = [nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16)) for s in shapes]
@@ -203,6 +207,7 @@ def test_stock_lora_recipes_plain_step_judges_on_the_way_from_the_first_step(mon
         return checked(self, grads, meshes)
 
     monkeypatch.setattr(Scaling, "step_is_finite", separate_check)
+    monkeypatch.setattr(streamed, "ENABLED", False)  # (the host update's plain step, as above)
     torch.manual_seed(0)
     with set_default_dtype(torch.bfloat16), torch.device(device):  # as the recipe builds it
         model = qlora_tiny_llama(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,

@@ -38,6 +38,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+import torch
+
 from offload_plugin.schedules import after_backward, delayed, during_backward, early_forward, in_backward
 
 __all__ = ["Overlap", "choose_overlap", "run_step"]
@@ -89,6 +91,9 @@ def choose_overlap(opt, grad_scale: Optional[float], clipping: bool, early: bool
 
 def run_step(opt) -> None:
     """step(): the schedule overlap_next_step chose, or the one the options give."""
+    if opt._streamed is not None:  # (never with overlap_next_step: no offloaded gradients)
+        opt._streamed.step(in_backward=torch._C._current_graph_task_id() != -1)
+        return
     if in_backward.applies(opt):
         in_backward.step(opt)
         return

@@ -1,0 +1,151 @@
+"""Where a streamed step's time goes on the GPU machine: the copy bandwidth the host allows,
+and one traced step of Llama-3.2-1B full fine-tuning under torchtune's optimizer_in_bwd and
+with a plain step after backward.
+
+1. ``copies``: the moments of a model of ``--numel`` bf16 parameters (4 bytes each way per
+   parameter) copied host->device and device->host in staging-sized pieces, each direction
+   alone and both at once: the floor for the streamed update's time.
+2. ``lora``: bench/step_overhead.py's 192 LoRA adapters, one step traced likewise.
+3. ``step``: the 1B model (random init, bf16, 2 x 2048 tokens), traced with torch.profiler
+   over one step after warm-up: step time, GPU time in kernels and in copies each way, and
+   the achieved bytes/s.
+
+    python bench/streamed_timeline.py                 # both, on the GPU machine
+    python bench/streamed_timeline.py --chunk 4194304 # a smaller staging buffer
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from offload_plugin import CPUOffloadOptimizer, streamed
+
+
+def copies(numel: int, chunk: int) -> dict:
+    host = [torch.empty(numel, dtype=torch.bfloat16).pin_memory() for _ in range(2)]
+    dev = [torch.empty(chunk, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def run(up: bool, down: bool) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i, a in enumerate(range(0, numel, chunk)):
+            b = min(numel, a + chunk)
+            for k in range(2):
+                buf = dev[(2 * i + k) % 4][:b - a]
+                if up:
+                    with torch.cuda.stream(h2d):
+                        buf.copy_(host[k][a:b], non_blocking=True)
+                if down:
+                    with torch.cuda.stream(d2h):
+                        host[k][a:b].copy_(dev[(2 * i + k + 2) % 4][:b - a], non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(True, True)
+    nbytes = 2 * numel * 2
+    out = {}
+    for name, up, down in (("h2d", True, False), ("d2h", False, True), ("both", True, True)):
+        s = min(run(up, down) for _ in range(3))
+        out[name] = {"s": round(s, 4), "GB/s each way": round(nbytes / s / 1e9, 1)}
+    return out
+
+
+def _trace(one) -> dict:
+    """One traced call of ``one()`` (after warm-up): its wall time and the GPU's time in
+    kernels and in copies each way."""
+    times = [one() for _ in range(6)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        traced = one()
+    kinds = {"kernels_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        dur = e.device_time_total / 1e6
+        if "HtoD" in e.name:
+            kinds["h2d_s"] += dur
+        elif "DtoH" in e.name:
+            kinds["d2h_s"] += dur
+        elif "Memcpy" not in e.name and "Memset" not in e.name:
+            kinds["kernels_s"] += dur
+    return {"step_s": [round(t, 5) for t in times[2:]], "traced_step_s": round(traced, 5),
+            **{k: round(v, 5) for k, v in kinds.items()}}
+
+
+def lora_step() -> dict:
+    """bench/step_overhead.py's 192 rank-8 adapters: one step() until the weights are back."""
+    from step_overhead import adapters
+
+    params = adapters(torch.device("cuda"), 8)
+    opt = CPUOffloadOptimizer(params, lr=1e-4)
+
+    def one() -> float:
+        for p in params:
+            p.grad = torch.full_like(p, 1e-3)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.step()
+        torch.cuda.synchronize()
+        t = time.perf_counter() - t0
+        opt.zero_grad()
+        return t
+
+    return {"workload": "192 LoRA adapters, rank 8", **_trace(one)}
+
+
+def step(in_bwd: bool) -> dict:
+    from torchtune import training
+    from torchtune.models.llama3_2 import llama3_2_1b
+
+    torch.manual_seed(0)
+    with training.set_default_dtype(torch.bfloat16), torch.device("cuda"):
+        model = llama3_2_1b()
+    tokens = torch.randint(0, 128_000, (2, 2049), device="cuda")
+    if in_bwd:
+        optims = {p: CPUOffloadOptimizer([p], lr=1e-5) for p in model.parameters()}
+        training.register_optim_in_bwd_hooks(model, optims)
+        opt = None
+    else:
+        opt = CPUOffloadOptimizer(model.parameters(), lr=1e-5)
+
+    def one() -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        del logits
+        loss.backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    numel = sum(p.numel() for p in model.parameters())
+    return {"workload": f"Llama-3.2-1B full, 4096 tokens, {'optimizer_in_bwd' if in_bwd else 'step after backward'}",
+            **_trace(one), "moments GB each way": round(numel * 4 / 1e9, 2)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--chunk", type=int, default=streamed.CHUNK_NUMEL)
+    p.add_argument("--numel", type=int, default=1_235_814_400)
+    p.add_argument("--only", choices=["copies", "lora", "step"], default=None)
+    args = p.parse_args()
+    streamed.CHUNK_NUMEL = args.chunk
+    out = {"chunk": args.chunk}
+    if args.only in (None, "copies"):
+        out["copies"] = copies(args.numel, args.chunk)
+    if args.only in (None, "lora"):
+        out["lora"] = lora_step()
+    if args.only in (None, "step"):
+        out["steps"] = [step(True), step(False)]
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

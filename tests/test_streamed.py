@@ -1,0 +1,168 @@
+"""The streamed update (offload_plugin.streamed): the state in host memory, the update made
+by torch's fused kernel where the parameters are. On a GPU it is the default wherever it
+applies; here the same code runs with CPU parameters (``streamed._ON_CPU``, no streams),
+so the reference is torch's fused AdamW on the CPU, bit for bit. test_streamed_gpu.py
+holds what only a GPU shows (streams, events, the staging ring)."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from offload_plugin import CPUOffloadOptimizer, streamed
+from reference_twin import assert_same_params, batch, make_model, train, trainable, twins
+
+KW = dict(lr=1e-2, weight_decay=0.1)
+
+
+@pytest.fixture(autouse=True)
+def _streamed_on_cpu(monkeypatch):
+    monkeypatch.setattr(streamed, "_ON_CPU", True)
+    # The 32x32 weights go in ranges. (A multiple of the CPU kernel's vector width: its
+    # scalar tail rounds differently, CUDA's kernel does not.)
+    monkeypatch.setattr(streamed, "CHUNK_NUMEL", 640)
+
+
+def _groups(model):
+    layers = [m for m in model if isinstance(m, nn.Linear) and m.weight.requires_grad]
+    return [{"params": list(layers[0].parameters())},
+            {"params": [p for m in layers[1:] for p in m.parameters()], "lr": 3e-3}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_matches_torch_fused_adam_bit_for_bit(dtype, cls):
+    """Two groups, accumulation, torchtune's scaling and clipping, a scheduler: the same
+    weights, losses and state as torch's fused kernel; some parameters go in ranges, the
+    small ones packed."""
+    ref_model, model = twins("cpu", dtype)
+    ref = cls(_groups(ref_model), fused=True, **KW)
+    opt = CPUOffloadOptimizer(_groups(model), optimizer_cls=cls, **KW)
+    assert opt._streamed is not None
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (ref, opt)]
+    ref_losses, ref_norms = train(ref_model, ref, 5, clip=0.5, sched=scheds[0])
+    losses, norms = train(model, opt, 5, clip=0.5, sched=scheds[1])
+    assert_same_params(ref_model, model, exact=True)
+    assert (losses, norms) == (ref_losses, ref_norms)
+    ours, theirs = opt.state_dict(), ref.state_dict()
+    assert ours["param_groups"] == theirs["param_groups"]
+    for index, entry in theirs["state"].items():
+        assert entry.keys() == ours["state"][index].keys()
+        for key, value in entry.items():
+            assert torch.equal(ours["state"][index][key], value), (index, key)
+    units = next(iter(opt._streamed._units.values()))
+    assert any(len(u.items) > 1 for u in units), "small neighbours share one unit"
+    assert any(u.items[0][1] > 0 for u in units), "a larger parameter goes in ranges"
+
+
+def test_state_reads_and_resume_continue_exactly():
+    """optimizer.state between steps is the current state; a resume from state_dict()
+    continues bit for bit as the uninterrupted run."""
+    ref_model, model = twins()
+    ref = torch.optim.AdamW(trainable(ref_model), fused=True, **KW)
+    opt = CPUOffloadOptimizer(model.parameters(), **KW)
+    train(ref_model, ref, 3)
+    train(model, opt, 3)
+    p, rp = trainable(model)[1], trainable(ref_model)[1]
+    assert torch.equal(opt.state[p]["exp_avg"], ref.state[rp]["exp_avg"])
+    assert float(opt.state[p]["step"]) == 3.0
+
+    saved = copy.deepcopy(opt.state_dict())
+    resumed_model = copy.deepcopy(model)
+    resumed = CPUOffloadOptimizer(resumed_model.parameters(), **KW)
+    resumed.load_state_dict(saved)
+    train(ref_model, ref, 3, start=3)
+    train(resumed_model, resumed, 3, start=3)
+    assert_same_params(ref_model, resumed_model, exact=True)
+    assert float(resumed.state[trainable(resumed_model)[0]]["step"]) == 6.0
+
+
+def test_nonfinite_step_is_skipped_and_reported(caplog):
+    """A NaN gradient skips the whole step (no weight, moment or count changes), reported
+    at the next step or state read; "raise" raises from the step itself."""
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), **KW)
+    train(model, opt, 1)
+    before = [p.clone() for p in trainable(model)]
+    state_before = copy.deepcopy(opt.state_dict())
+    x, y = batch(9, 0, "cpu")
+    ((model(x) - y) ** 2).sum().backward()
+    trainable(model)[2].grad[0] = float("nan")
+    with caplog.at_level(logging.WARNING):
+        opt.step()
+        opt.zero_grad()
+        assert all(torch.equal(a, b) for a, b in zip(before, trainable(model)))
+        after = opt.state_dict()
+    assert "the step was skipped for all 4 parameters" in caplog.text
+    for index, entry in state_before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after["state"][index][key], value), (index, key)
+
+    raising = CPUOffloadOptimizer(make_model().parameters(), nonfinite_grads="raise", **KW)
+    for p in raising.param_groups[0]["params"]:
+        p.grad = torch.full_like(p, float("inf"))
+    with pytest.raises(FloatingPointError, match="inf or NaN"):
+        raising.step()
+
+
+def test_optimizer_in_backward_matches_torch_stepped_the_same_way():
+    """torchtune's optimizer_in_bwd (one optimizer per parameter, stepped in its gradient
+    hook): bit for bit torch's fused AdamW stepped the same way, one verdict per parameter."""
+    from torchtune import training
+
+    ref_model, model = twins()
+    for m, make in ((ref_model, lambda ps: torch.optim.AdamW(ps, fused=True, **KW)),
+                    (model, lambda ps: CPUOffloadOptimizer(ps, **KW))):
+        optims = {p: make([p]) for p in trainable(m)}
+        training.register_optim_in_bwd_hooks(m, optims)
+        if m is model:
+            ours = optims
+    for step in range(3):
+        for m in (ref_model, model):
+            x, y = batch(step, 0, "cpu")
+            ((m(x) - y) ** 2).sum().backward()
+    assert all(o._streamed is not None for o in ours.values())
+    assert_same_params(ref_model, model, exact=True)
+
+
+def test_weights_changed_outside_are_what_the_next_step_updates():
+    """The device weights are what the streamed update reads: a pretrained load_state_dict
+    after building the optimizer, or an in-place edit, is never overwritten."""
+    ref_model, model = twins()
+    ref = torch.optim.AdamW(trainable(ref_model), fused=True, **KW)
+    opt = CPUOffloadOptimizer(model.parameters(), **KW)
+    pretrained = make_model(seed=7).state_dict()
+    for m, o in ((ref_model, ref), (model, opt)):
+        train(m, o, 1)
+        m.load_state_dict(pretrained)
+        with torch.no_grad():
+            m[2].weight.mul_(0.5)
+        train(m, o, 2, start=1)
+    assert_same_params(ref_model, model, exact=True)
+
+
+def test_settings_torch_has_no_device_kernel_for_use_the_host_update():
+    """amsgrad, master weights, offloaded gradients, other optimizers: the host update
+    (bit for bit as before); a group added later without streaming turns it off for all."""
+    model = make_model()
+    assert CPUOffloadOptimizer(model.parameters(), amsgrad=True)._streamed is None
+    assert CPUOffloadOptimizer(model.parameters(), master_weights=True)._streamed is None
+    assert CPUOffloadOptimizer(model.parameters(), offload_gradients=True)._streamed is None
+    assert CPUOffloadOptimizer(model.parameters(), fused=False)._streamed is None
+    assert CPUOffloadOptimizer(model.parameters(), optimizer_cls=torch.optim.SGD, lr=0.1)._streamed is None
+
+    ref_model, model = twins()
+    layers = [ref_model[2], ref_model[4]], [model[2], model[4]]
+    ref = torch.optim.AdamW(layers[0][0].parameters(), fused=True, **KW)
+    opt = CPUOffloadOptimizer(layers[1][0].parameters(), **KW)
+    train(ref_model, ref, 2)
+    train(model, opt, 2)
+    assert opt._streamed is not None
+    ref.add_param_group({"params": list(layers[0][1].parameters()), "amsgrad": True})
+    opt.add_param_group({"params": list(layers[1][1].parameters()), "amsgrad": True})
+    assert opt._streamed is None
+    train(ref_model, ref, 2, start=2)
+    train(model, opt, 2, start=2)
+    assert_same_params(ref_model, model, exact=True)

@@ -1,0 +1,159 @@
+"""The streamed update on a GPU (the default there wherever it applies): bit for bit torch's
+fused AdamW on the GPU, with the state in host memory, ordered against the recipe's work
+by streams and events. test_streamed.py runs the same code on the CPU."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload_plugin import CPUOffloadOptimizer, streamed
+from reference_twin import CUDA, assert_same_params, train, trainable, twins
+
+pytestmark = CUDA
+KW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _groups(model):
+    layers = [m for m in model if isinstance(m, nn.Linear) and m.weight.requires_grad]
+    return [{"params": list(layers[0].parameters())},
+            {"params": [p for m in layers[1:] for p in m.parameters()], "lr": 3e-3}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_gpu_streamed_update_is_torch_fused_adam_on_the_gpu(monkeypatch, dtype, cls):
+    """Two groups, accumulation, torchtune's scaling, torch's clipping, a scheduler; weights
+    in ranges and small ones packed: the same bits as torch's fused kernel on the GPU,
+    and the same state, which lives in host memory."""
+    monkeypatch.setattr(streamed, "CHUNK_NUMEL", 300)
+    ref_model, model = twins("cuda", dtype)
+    ref = cls(_groups(ref_model), fused=True, **KW)
+    opt = CPUOffloadOptimizer(_groups(model), optimizer_cls=cls, **KW)
+    assert opt._streamed is not None
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (ref, opt)]
+    ref_losses, ref_norms = train(ref_model, ref, 5, clip=0.5, sched=scheds[0])
+    losses, norms = train(model, opt, 5, clip=0.5, sched=scheds[1])
+    assert_same_params(ref_model, model, exact=True)
+    assert (losses, norms) == (ref_losses, ref_norms)
+    ours, theirs = opt.state_dict(), ref.state_dict()
+    for index, entry in theirs["state"].items():
+        for key, value in entry.items():
+            assert ours["state"][index][key].device.type == "cpu"
+            assert torch.equal(ours["state"][index][key], value.cpu()), (index, key)
+    assert all(s.moments[0].is_pinned() for s in opt._slots)
+
+
+def test_gpu_streamed_optimizer_in_backward_is_torch_stepped_the_same_way():
+    """torchtune's optimizer_in_bwd: bit for bit torch's fused AdamW in the same hooks; the
+    gradients are freed in the hook while their update is still queued."""
+    from torchtune import training
+
+    ref_model, model = twins("cuda", torch.bfloat16)
+    for m, make in ((ref_model, lambda ps: torch.optim.AdamW(ps, fused=True, **KW)),
+                    (model, lambda ps: CPUOffloadOptimizer(ps, **KW))):
+        optims = {p: make([p]) for p in trainable(m)}
+        training.register_optim_in_bwd_hooks(m, optims)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randn(64, 16, generator=g).to("cuda", torch.bfloat16)
+        for m in (ref_model, model):
+            m(x).square().sum().backward()
+    assert_same_params(ref_model, model, exact=True)
+
+
+def test_gpu_next_forward_sees_the_new_weights_and_grads_wait_for_the_recipe():
+    """Work queued on .grad right before step() (behind a GPU sleep) is what the update
+    reads; a read right after step() (no sync) sees the updated weights. 64 Mi elements of
+    fp32 state cross the bus each way, so a missing wait would show."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]).cuda()
+    ref_model = copy.deepcopy(model)
+    ref = torch.optim.AdamW(ref_model.parameters(), fused=True, lr=1e-3)
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3)
+    x = torch.randn(64, 2048, device="cuda")
+    for m, o in ((ref_model, ref), (model, opt)):
+        for _ in range(2):
+            m(x).square().mean().backward()
+            torch.cuda._sleep(100_000_000)
+            for p in m.parameters():
+                p.grad *= 1e-3
+            o.step()
+            o.zero_grad()
+            snapshot = [p.detach().clone() for p in m.parameters()]
+        if o is ref:
+            expected = snapshot
+    for a, b in zip(expected, snapshot):
+        assert torch.equal(a, b)
+
+
+def test_gpu_streamed_skips_a_nonfinite_step_on_the_device(caplog):
+    """An inf gradient: nothing changes (weights, moments, counts), reported next."""
+    model, _ = twins("cuda", torch.bfloat16)
+    opt = CPUOffloadOptimizer(model.parameters(), **KW)
+    train(model, opt, 2)
+    before = [p.clone() for p in trainable(model)]
+    state = copy.deepcopy(opt.state_dict())
+    for p in trainable(model):
+        p.grad = torch.ones_like(p)
+    trainable(model)[0].grad[0, 0] = float("inf")
+    opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(before, trainable(model)))
+    after = opt.state_dict()
+    assert "the step was skipped" in caplog.text
+    for index, entry in state["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after["state"][index][key], value)
+
+
+def test_gpu_streamed_update_adds_only_its_staging_ring_to_device_memory():
+    """The moments stay in host memory: the device holds the staging ring (shared by every
+    optimizer of the process) and the step counts, whatever the model's size."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(4)]).cuda().to(torch.bfloat16)
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    opt.step()
+    torch.cuda.synchronize()
+    ring = streamed.RING_SIZE * 2 * min(streamed.CHUNK_NUMEL, 4096 * 4096) * 2
+    added = torch.cuda.memory_allocated() - base
+    moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    assert added <= ring + (1 << 20) < moments, (added, ring, moments)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), None])
+def test_gpu_streamed_verdict_is_exact(dtype, bad):
+    """The device's verdict: any inf or NaN anywhere (one tensor or many, first or last
+    element), and never for finite values however large."""
+    big = torch.finfo(dtype).max
+    for count in (1, 5):
+        for where in (0, -1):
+            grads = [torch.full((1000 + i,), big / 2, dtype=dtype, device="cuda") for i in range(count)]
+            if bad is not None:
+                grads[where].view(-1)[where] = bad
+            assert float(streamed._nonfinite(grads)) == (0.0 if bad is None else 1.0)
+
+
+def test_gpu_weights_changed_outside_are_what_the_next_step_updates():
+    """A pretrained load after building the optimizer and an in-place edit: kept, as torch
+    keeps them (the device weights are what the streamed update reads)."""
+    ref_model, model = twins("cuda", torch.bfloat16)
+    ref = torch.optim.AdamW(trainable(ref_model), fused=True, **KW)
+    opt = CPUOffloadOptimizer(model.parameters(), **KW)
+    pretrained = copy.deepcopy(twins("cuda", torch.bfloat16)[0])
+    with torch.no_grad():
+        for p in pretrained.parameters():
+            p.mul_(1.5)
+    for m, o in ((ref_model, ref), (model, opt)):
+        train(m, o, 1)
+        m.load_state_dict(pretrained.state_dict())
+        with torch.no_grad():
+            m[2].weight.mul_(0.5)
+        train(m, o, 2, start=1)
+    assert_same_params(ref_model, model, exact=True)
