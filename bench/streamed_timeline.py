@@ -61,19 +61,24 @@ def _trace(one) -> dict:
     times = [one() for _ in range(6)]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         traced = one()
-    kinds = {"kernels_s": 0.0, "h2d_s": 0.0, "d2h_s": 0.0}
+    kinds = {"kernels": 0.0, "h2d": 0.0, "d2h": 0.0, "adam": 0.0}
+    spans: dict = {}  # kind -> [first start, last end], microseconds
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        dur = e.device_time_total / 1e6
-        if "HtoD" in e.name:
-            kinds["h2d_s"] += dur
-        elif "DtoH" in e.name:
-            kinds["d2h_s"] += dur
-        elif "Memcpy" not in e.name and "Memset" not in e.name:
-            kinds["kernels_s"] += dur
+        kind = ("h2d" if "HtoD" in e.name else "d2h" if "DtoH" in e.name
+                else None if "Memcpy" in e.name or "Memset" in e.name
+                else "adam" if "adam" in e.name.lower() else "kernels")
+        if kind is None:
+            continue
+        kinds[kind] += e.device_time_total / 1e6
+        span = spans.setdefault(kind, [e.time_range.start, e.time_range.end])
+        span[0], span[1] = min(span[0], e.time_range.start), max(span[1], e.time_range.end)
+    origin = min((a for a, _ in spans.values()), default=0)
     return {"step_s": [round(t, 5) for t in times[2:]], "traced_step_s": round(traced, 5),
-            **{k: round(v, 5) for k, v in kinds.items()}}
+            "gpu_busy_s": {k: round(v, 5) for k, v in kinds.items()},
+            "first_start_last_end_ms": {k: [round((a - origin) / 1e3, 2), round((b - origin) / 1e3, 2)]
+                                        for k, (a, b) in spans.items()}}
 
 
 def lora_step() -> dict:

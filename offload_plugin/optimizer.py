@@ -632,6 +632,12 @@ class CPUOffloadOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
+        if self._streamed is not None:  # nothing on the host or in a worker to reset
+            self._scaling.reset()
+            super().zero_grad(set_to_none)
+            self._scaling.finite.clear()
+            self._scaling.scaled_since_zero_grad = False
+            return
         if not self.delayed_update and self._returned_early is None and not self._in_backward:
             self._updates.flush(self._running)
             if self._scaling.clip_norms is not None:

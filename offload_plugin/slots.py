@@ -40,6 +40,11 @@ class SlotTable:
     def __iter__(self) -> Iterator[HostSlot]:
         return iter(self._slots)
 
+    @property
+    def ordered(self) -> list[HostSlot]:
+        """The slots in the order they were added (read-only: do not change the list)."""
+        return self._slots
+
     def __len__(self) -> int:
         return len(self._slots)
 

@@ -13,7 +13,7 @@ gradient or weight crosses the bus, so nothing the recipe does to the weights be
 can be overwritten (the parameter is the truth). The result is bit for bit torch's
 ``AdamW(fused=True)`` on the GPU, the optimizer the user would otherwise run there.
 
-Everything is queued on two side streams (moments in plus the kernels; moments out) and
+Everything is queued on three side streams (moments in; the kernels; moments out) and
 ordered by events: ``step()`` never waits for the GPU. Device memory holds only a small
 ring of staging buffers shared by all optimizers of a process (torchtune's
 ``optimizer_in_bwd`` builds one per parameter), plus the step counts. The step counts and
@@ -73,48 +73,62 @@ def eligible(opt, group: dict, params: list[torch.Tensor]) -> bool:
 
 
 class StagingRing:
-    """Device buffers that moments pass through, and the two streams that fill and empty
-    them; one per device and dtype, shared by the optimizers of a process."""
+    """Device buffers that moments pass through (a few per dtype), and three streams: moments
+    in, the kernels, moments out. One per device, shared by the optimizers of a process.
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
-        self.device, self.dtype = device, dtype
+    The copies in wait for nothing but a free buffer (the state does not depend on the
+    gradient), so they run ahead of the kernels, which wait for the gradients and for their
+    buffer's copy in; the copies out wait for their kernel. Each direction of the bus then
+    stays busy, also while backward is still producing the gradients of later parameters."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.is_async = device.type == "cuda"
-        self.load = torch.cuda.Stream(device) if self.is_async else None  # moments in, kernels
+        self.load = torch.cuda.Stream(device) if self.is_async else None  # moments in
+        self.update = torch.cuda.Stream(device) if self.is_async else None  # kernels
         self.store = torch.cuda.Stream(device) if self.is_async else None  # moments out
-        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._freed: list[Optional[object]] = []  # each buffer's last copy out
-        self._next = 0
-        self.numel = 0
-        self.generation = 0  # counts replacements of the buffers (views of them go stale)
+        self._pools: dict = {}  # dtype -> [buffer pairs, each one's last copy out, next index]
+        self.numel: dict = {}  # dtype -> elements per buffer
+        self.generation = 0  # counts replacements of buffers (views of them go stale)
         self.backward_task = -1  # the backward whose end already orders the compute stream
 
-    def reserve(self, numel: int) -> None:
-        """Buffers of at least ``numel`` elements each (grown by doubling, at most
-        CHUNK_NUMEL: units are never larger)."""
-        if numel <= self.numel or not self.is_async:
+    def reserve(self, dtype: torch.dtype, numel: int) -> None:
+        """Buffers of at least ``numel`` elements (grown by doubling, at most CHUNK_NUMEL:
+        units are never larger)."""
+        have = self.numel.get(dtype, 0)
+        if numel <= have or not self.is_async:
             return
-        numel = min(max(numel, 2 * self.numel), CHUNK_NUMEL)
-        self.buffers = []
+        numel = min(max(numel, 2 * have), CHUNK_NUMEL)
+        pairs = []
         for _ in range(RING_SIZE):
-            pair = tuple(torch.empty(numel, dtype=self.dtype, device=self.device) for _ in range(2))
+            pair = tuple(torch.empty(numel, dtype=dtype, device=self.device) for _ in range(2))
             for buf in pair:  # freed while queued work may still use them: not reused before
-                buf.record_stream(self.load)
-                buf.record_stream(self.store)
-            self.buffers.append(pair)
-        self._freed = [None] * RING_SIZE
-        self.numel, self.generation, self._next = numel, self.generation + 1, 0
+                for stream in (self.load, self.update, self.store):
+                    buf.record_stream(stream)
+            pairs.append(pair)
+        self._pools[dtype] = [pairs, [None] * RING_SIZE, 0]
+        self.numel[dtype] = numel
+        self.generation += 1
+        # Their memory may have served tensors that work queued on the compute stream still
+        # uses: copies into them wait for that work (the other streams wait for these copies).
+        self.load.wait_stream(torch.cuda.current_stream(self.device))
 
-    def take(self) -> int:
-        """The index of the next buffer pair, the load stream ordered after its last copy out."""
-        index = self._next
-        self._next = (index + 1) % len(self.buffers)
-        if self._freed[index] is not None:
-            self.load.wait_event(self._freed[index])
+    def take(self, dtype: torch.dtype) -> int:
+        """The index of the next buffer pair of ``dtype``, the load stream ordered after its
+        last copy out."""
+        pool = self._pools[dtype]
+        index = pool[2]
+        pool[2] = (index + 1) % RING_SIZE
+        if pool[1][index] is not None:
+            self.load.wait_event(pool[1][index])
         return index
 
-    def release(self, index: int) -> None:
+    def buffers(self, dtype: torch.dtype, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._pools[dtype][0][index]
+
+    def release(self, dtype: torch.dtype, index: int) -> None:
         """The copies out of buffer ``index`` are queued on the store stream."""
-        self._freed[index] = record(self.store)
+        self._pools[dtype][1][index] = record(self.store)
 
 
 def record(stream) -> object:
@@ -134,8 +148,21 @@ class _Unit:
     exp_avg: torch.Tensor  # the host spans the moments come from and go back to
     exp_avg_sq: torch.Tensor
     params: list  # the device tensors the kernel updates (views for a range)
+    at: list = dataclasses.field(default_factory=list)  # each item's place among the step's gradients
     stage_views: dict = dataclasses.field(default_factory=dict)  # buffer index -> (ms, vs)
     generation: int = -1  # of the ring whose buffers stage_views cut
+
+
+@dataclasses.dataclass(eq=False)
+class _Plan:
+    """What a step over one set of parameters needs besides the gradients, worked out the
+    first time that set steps (the same set steps every time in training)."""
+
+    slots: list  # the stepping slots, in parameter order
+    units: list
+    ring: StagingRing
+    steps: list  # each slot's step count on the device (views of one tensor)
+    by_dtype: list  # positions of the gradients of each dtype (for the verdict)
 
 
 @dataclasses.dataclass
@@ -143,7 +170,6 @@ class _Verdict:
     """A step whose inf/NaN verdict is still on its way to the host."""
 
     done: Optional[object]  # event after the copy (None: synchronous)
-    skipped: torch.Tensor  # host: 1.0 if the step was skipped
     count: int  # parameters judged
     whole_step: bool
 
@@ -156,9 +182,10 @@ class StreamedUpdate:
         self._device_steps: Optional[torch.Tensor] = None  # one per slot, by slot.order
         self._step_views: list = []
         self._steps_moved = False  # the device counts changed since the host's were set
-        self._units: dict = {}  # stepping slots -> units
+        self._plans: dict = {}  # which slots step (a tuple of bools) -> _Plan
         self._written: Optional[object] = None  # the last copy of state into host memory
         self._verdict: Optional[_Verdict] = None
+        self._skipped: Optional[torch.Tensor] = None  # host scalar the verdict lands in
 
     # ------------------------------------------------------------------ host view
     def settle(self) -> None:
@@ -181,7 +208,7 @@ class StreamedUpdate:
         """The host state was replaced (load_state_dict, ``state[p] = ...``) after a
         settle(): read the step counts and moments from it anew."""
         self._device_steps, self._step_views, self._steps_moved = None, [], False
-        self._units.clear()
+        self._plans.clear()
 
     def _take_verdict(self) -> None:
         """Report the last step's verdict (its copy is long done when the next step starts)."""
@@ -190,7 +217,7 @@ class StreamedUpdate:
             return
         if verdict.done is not None:
             verdict.done.synchronize()
-        if not float(verdict.skipped):
+        if not float(self._skipped):
             return
         scaling = self._opt._scaling
         if verdict.whole_step:
@@ -205,60 +232,72 @@ class StreamedUpdate:
         Inside a backward (torchtune's ``optimizer_in_bwd``) the compute stream is ordered
         after the updates when that backward ends, else at once."""
         opt = self._opt
-        self._take_verdict()
-        slots, grads = [], []
-        for slot in opt._slots.in_order(opt._params()):
-            grad = slot.param.grad
-            if grad is not None:
-                if grad.is_sparse:
-                    check_dense(grad)
-                slots.append(slot)
-                grads.append(grad if grad.is_contiguous() else grad.contiguous())
-        if not slots:
+        if self._verdict is not None:
+            self._take_verdict()
+        slots = opt._slots.ordered  # (in parameter order: no device_fraction here)
+        grads = [slot.param.grad for slot in slots]
+        key = tuple(g is not None for g in grads)
+        grads = [g for g in grads if g is not None]
+        if not grads:
             return
+        for i, g in enumerate(grads):
+            if g.is_sparse:
+                check_dense(g)
+            if not g.is_contiguous():
+                grads[i] = g.contiguous()
         opt._scaling.apply_clip_now(grads)
-        groups = {id(p): g for g in opt.param_groups for p in g["params"]}
-        for slot in slots:
-            if groups[id(slot.param)].get("amsgrad"):
-                raise ValueError(
-                    "CPUOffloadOptimizer: amsgrad was turned on after the optimizer was built; "
-                    "pass amsgrad=True when building it.")
-            _adam_state(opt._host_optimizer, slot, False)
-        steps = self._steps_of(slots)
-        device = slots[0].param.device
-        units = self._units_for(slots, groups, device)
-        rings = {u.exp_avg.dtype: self._ring(device, u.exp_avg.dtype) for u in units}
-        load = next(iter(rings.values())).load
-        compute = torch.cuda.current_stream(device) if load is not None else None
-        if load is not None:
-            load.wait_stream(compute)  # the gradients are written there
+        groups = opt.param_groups
+        if any(g.get("amsgrad") for g in groups):
+            raise ValueError(
+                "CPUOffloadOptimizer: amsgrad was turned on after the optimizer was built; "
+                "pass amsgrad=True when building it.")
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._plan([s for s, g in zip(slots, key) if g])
+        steps, ring = plan.steps, plan.ring
+        compute = torch.cuda.current_stream(ring.device) if ring.is_async else None
+        if ring.is_async:
+            ring.update.wait_stream(compute)  # the gradients are written there
             if self._written is not None:  # this optimizer's last copies into host memory
-                load.wait_event(self._written)
-        position = {id(s): i for i, s in enumerate(slots)}
-        with torch.cuda.stream(load) if load is not None else nullcontext():
+                ring.load.wait_event(self._written)
+        hyper = [_hyperparameters(g, opt._host_optimizer) for g in groups]
+        with _on(ring.update):
             # One verdict for the set: a whole step, or inside backward the parameters of
             # this optimizer (one each for torchtune's optimizer_in_bwd, as torch's would).
-            found = _nonfinite(grads)
+            found = _nonfinite(grads, plan.by_dtype)
             torch._foreach_add_(steps, 1)
-            for unit in units:
-                at = [position[id(s)] for s, _, _ in unit.items]
-                self._run_unit(unit, [grads[i] for i in at], [steps[i] for i in at],
-                               rings[unit.exp_avg.dtype], found, opt.param_groups[unit.group])
+        for unit in plan.units:
+            _run_unit(unit, grads, steps, ring, found, hyper[unit.group])
+        with _on(ring.update):
             torch._foreach_sub_(steps, [found] * len(steps))
         self._steps_moved = True
-        self._send_verdict(rings, found, len(slots), whole_step=not in_backward)
-        if load is not None:
-            for ring in rings.values():
-                if ring.load is not load:
-                    load.wait_stream(ring.load)
+        self._send_verdict(ring, found, len(steps), whole_step=not in_backward)
+        if ring.is_async:
             if in_backward:
                 for grad in grads:  # torchtune frees it in the same hook; backward goes on
-                    grad.record_stream(load)
-                self._order_at_backward_end(next(iter(rings.values())), compute)
+                    grad.record_stream(ring.update)
+                self._order_at_backward_end(ring, compute)
             else:
-                compute.wait_stream(load)  # later work (the next forward) sees the new weights
+                compute.wait_stream(ring.update)  # later work (the next forward) sees the new weights
         if opt.nonfinite_grads == "raise":
             self.settle()
+
+    def _plan(self, slots: list[HostSlot]) -> _Plan:
+        opt = self._opt
+        for slot in slots:  # the state torch's fused AdamW creates at a parameter's first step
+            _adam_state(opt._host_optimizer, slot, False)
+        groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+        units = _plan_units(slots, opt.param_groups, groups, opt._host_optimizer.state)
+        position = {id(s): i for i, s in enumerate(slots)}
+        ring = self._ring(slots[0].param.device)
+        for unit in units:
+            unit.at = [position[id(s)] for s, _, _ in unit.items]
+            ring.reserve(unit.exp_avg.dtype, unit.numel)
+        by_dtype: dict = {}
+        for i, s in enumerate(slots):
+            if s.param.numel():
+                by_dtype.setdefault(s.param.dtype, []).append(i)
+        return _Plan(slots, units, ring, self._steps_of(slots), list(by_dtype.values()))
 
     def _order_at_backward_end(self, ring: StagingRing, compute) -> None:
         """Once per backward: when it ends, order the compute stream after every update
@@ -266,61 +305,28 @@ class StreamedUpdate:
         task = torch._C._current_graph_task_id()
         if ring.backward_task != task:
             ring.backward_task = task
-            load = ring.load
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: compute.wait_stream(load))
+            update = ring.update
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: compute.wait_stream(update))
 
-    def _run_unit(self, unit: _Unit, grads: list, steps: list, ring: StagingRing,
-                  found: torch.Tensor, group: dict) -> None:
-        if ring.is_async:
-            index = ring.take()
-            m_stage, v_stage = ring.buffers[index]
-            m_stage[:unit.numel].copy_(unit.exp_avg, non_blocking=True)
-            v_stage[:unit.numel].copy_(unit.exp_avg_sq, non_blocking=True)
-            ms, vs = self._stage_views(ring, index, unit)
-        else:  # (tests on the CPU: the kernel updates the host moments in place)
-            ms, vs = _item_views(unit, unit.exp_avg), _item_views(unit, unit.exp_avg_sq)
-        gs = [g if a == 0 and b == g.numel() else g.view(-1)[a:b]
-              for g, (_, a, b) in zip(grads, unit.items)]
-        decoupled = group.get("decoupled_weight_decay",
-                              isinstance(self._opt._host_optimizer, torch.optim.AdamW))
-        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor):
-            lr = lr.to(ring.device)
-        beta1, beta2 = group["betas"]
-        kernel(unit.params, gs, ms, vs, [], steps, amsgrad=False, lr=lr, beta1=float(beta1),
-               beta2=float(beta2), weight_decay=group["weight_decay"], eps=group["eps"],
-               maximize=group["maximize"], grad_scale=None, found_inf=found)
-        if ring.is_async:
-            ring.store.wait_stream(ring.load)
-            with torch.cuda.stream(ring.store):
-                unit.exp_avg.copy_(m_stage[:unit.numel], non_blocking=True)
-                unit.exp_avg_sq.copy_(v_stage[:unit.numel], non_blocking=True)
-            ring.release(index)
-
-    def _send_verdict(self, rings: dict, found: torch.Tensor, count: int, whole_step: bool) -> None:
+    def _send_verdict(self, ring: StagingRing, found: torch.Tensor, count: int, whole_step: bool) -> None:
         """Start the verdict's copy to the host; mark where this optimizer's state is written."""
-        ring = next(iter(rings.values()))
-        host = torch.empty((), dtype=torch.float32, pin_memory=ring.is_async)
+        if self._skipped is None:  # one for all steps: a verdict is read before the next is sent
+            self._skipped = torch.empty((), dtype=torch.float32, pin_memory=ring.is_async)
         if ring.is_async:
-            store = ring.store
-            for other in rings.values():
-                store.wait_stream(other.store)
-            store.wait_stream(ring.load)
-            with torch.cuda.stream(store):
-                host.copy_(found, non_blocking=True)
-            self._written = record(store)
+            ring.store.wait_stream(ring.update)
+            with torch.cuda.stream(ring.store):
+                self._skipped.copy_(found, non_blocking=True)
+            self._written = record(ring.store)
         else:
-            host.copy_(found)
-        self._verdict = _Verdict(self._written, host, count, whole_step)
+            self._skipped.copy_(found)
+        self._verdict = _Verdict(self._written, count, whole_step)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _ring(self, device: torch.device, dtype: torch.dtype) -> StagingRing:
+    def _ring(self, device: torch.device) -> StagingRing:
         rings = self._opt._shared.staging
-        key = (str(device), dtype)
-        if key not in rings:
-            rings[key] = StagingRing(device, dtype)
-        return rings[key]
+        if str(device) not in rings:
+            rings[str(device)] = StagingRing(device)
+        return rings[str(device)]
 
     def _steps_of(self, slots: list[HostSlot]) -> list[torch.Tensor]:
         """Each slot's step count on the device (taken from the host state the first time)."""
@@ -332,28 +338,66 @@ class StreamedUpdate:
                       for s in opt._slots]
             self._device_steps = torch.tensor(counts, dtype=torch.float32).to(slots[0].param.device)
             self._step_views = list(self._device_steps.unbind())
+            self._plans.clear()  # (their step views are of the old tensor)
         return [self._step_views[s.order] for s in slots]
 
-    def _units_for(self, slots: list[HostSlot], groups: dict, device: torch.device) -> list[_Unit]:
-        key = tuple(s.order for s in slots)
-        units = self._units.get(key)
-        if units is None:
-            units = self._units[key] = _plan_units(slots, self._opt.param_groups, groups,
-                                                   self._opt._host_optimizer.state)
-            for unit in units:
-                self._ring(device, unit.exp_avg.dtype).reserve(unit.numel)
-        return units
 
-    @staticmethod
-    def _stage_views(ring: StagingRing, index: int, unit: _Unit) -> tuple[list, list]:
-        if unit.generation != ring.generation:
-            unit.stage_views, unit.generation = {}, ring.generation
-        views = unit.stage_views.get(index)
-        if views is None:
-            m_stage, v_stage = ring.buffers[index]
-            views = unit.stage_views[index] = (_item_views(unit, m_stage[:unit.numel]),
-                                               _item_views(unit, v_stage[:unit.numel]))
-        return views
+def _hyperparameters(group: dict, host_optimizer) -> tuple:
+    """The kernel and its keyword arguments for ``group`` as it is now (schedulers change it)."""
+    decoupled = group.get("decoupled_weight_decay", isinstance(host_optimizer, torch.optim.AdamW))
+    beta1, beta2 = group["betas"]
+    return (torch._fused_adamw_ if decoupled else torch._fused_adam_,
+            dict(amsgrad=False, lr=group["lr"], beta1=float(beta1), beta2=float(beta2),
+                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                 grad_scale=None))
+
+
+def _run_unit(unit: _Unit, grads: list, steps: list, ring: StagingRing, found: torch.Tensor,
+              hyper: tuple) -> None:
+    """Queue one unit: its moments in, the kernel, its moments out."""
+    dtype = unit.exp_avg.dtype
+    if ring.is_async:
+        index = ring.take(dtype)
+        m_stage, v_stage = ring.buffers(dtype, index)
+        with torch.cuda.stream(ring.load):
+            m_stage[:unit.numel].copy_(unit.exp_avg, non_blocking=True)
+            v_stage[:unit.numel].copy_(unit.exp_avg_sq, non_blocking=True)
+        ring.update.wait_event(record(ring.load))
+        ms, vs = _stage_views(ring, index, unit)
+    else:  # (tests on the CPU: the kernel updates the host moments in place)
+        ms, vs = _item_views(unit, unit.exp_avg), _item_views(unit, unit.exp_avg_sq)
+    gs = []
+    for i, (_, a, b) in zip(unit.at, unit.items):
+        g = grads[i]
+        gs.append(g if a == 0 and b == g.numel() else g.view(-1)[a:b])
+    kernel, kwargs = hyper
+    lr = kwargs["lr"]
+    if isinstance(lr, torch.Tensor):
+        kwargs = dict(kwargs, lr=lr.to(unit.params[0].device))
+    with _on(ring.update):
+        kernel(unit.params, gs, ms, vs, [], [steps[i] for i in unit.at], found_inf=found, **kwargs)
+    if ring.is_async:
+        ring.store.wait_stream(ring.update)
+        with torch.cuda.stream(ring.store):
+            unit.exp_avg.copy_(m_stage[:unit.numel], non_blocking=True)
+            unit.exp_avg_sq.copy_(v_stage[:unit.numel], non_blocking=True)
+        ring.release(dtype, index)
+
+
+def _on(stream):
+    """``torch.cuda.stream(stream)``; nothing for the CPU (no stream)."""
+    return torch.cuda.stream(stream) if stream is not None else nullcontext()
+
+
+def _stage_views(ring: StagingRing, index: int, unit: _Unit) -> tuple[list, list]:
+    if unit.generation != ring.generation:
+        unit.stage_views, unit.generation = {}, ring.generation
+    views = unit.stage_views.get(index)
+    if views is None:
+        m_stage, v_stage = ring.buffers(unit.exp_avg.dtype, index)
+        views = unit.stage_views[index] = (_item_views(unit, m_stage[:unit.numel]),
+                                           _item_views(unit, v_stage[:unit.numel]))
+    return views
 
 
 def _plan_units(slots: list[HostSlot], param_groups: list, groups: dict, state: dict) -> list[_Unit]:
@@ -413,18 +457,14 @@ def _item_views(unit: _Unit, flat: torch.Tensor) -> list[torch.Tensor]:
     return views
 
 
-def _nonfinite(grads: list[torch.Tensor]) -> torch.Tensor:
+def _nonfinite(grads: list[torch.Tensor], by_dtype: list) -> torch.Tensor:
     """1.0 (a 0-d tensor on the gradients' device) if any holds an inf or NaN, else 0.0,
     without waiting: the largest magnitude of each is finite exactly when all its elements
     are (NaN propagates through the maximum; a sum of magnitudes could overflow for finite
-    values)."""
-    by_dtype: dict = {}
-    for g in grads:
-        if g.numel():
-            by_dtype.setdefault(g.dtype, []).append(g)
+    values). ``by_dtype``: the positions of the non-empty gradients of each dtype."""
     found = None
-    for group in by_dtype.values():
-        largest = torch._foreach_norm(group, math.inf)
+    for positions in by_dtype:
+        largest = torch._foreach_norm([grads[i] for i in positions], math.inf)
         bad = (~torch.stack(largest).isfinite()).any() if len(largest) > 1 else ~largest[0].isfinite()
         found = bad if found is None else found | bad
     if found is None:

@@ -52,7 +52,7 @@ def test_matches_torch_fused_adam_bit_for_bit(dtype, cls):
         assert entry.keys() == ours["state"][index].keys()
         for key, value in entry.items():
             assert torch.equal(ours["state"][index][key], value), (index, key)
-    units = next(iter(opt._streamed._units.values()))
+    units = next(iter(opt._streamed._plans.values())).units
     assert any(len(u.items) > 1 for u in units), "small neighbours share one unit"
     assert any(u.items[0][1] > 0 for u in units), "a larger parameter goes in ranges"
 
