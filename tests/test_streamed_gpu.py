@@ -137,7 +137,8 @@ def test_gpu_streamed_verdict_is_exact(dtype, bad):
             grads = [torch.full((1000 + i,), big / 2, dtype=dtype, device="cuda") for i in range(count)]
             if bad is not None:
                 grads[where].view(-1)[where] = bad
-            assert float(streamed._nonfinite(grads)) == (0.0 if bad is None else 1.0)
+            found = streamed._nonfinite(grads, [list(range(count))])
+            assert float(found) == (0.0 if bad is None else 1.0)
 
 
 def test_gpu_weights_changed_outside_are_what_the_next_step_updates():
