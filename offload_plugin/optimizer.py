@@ -124,17 +124,22 @@ class _StateByParam(MutableMapping):
 
 
 class CPUOffloadOptimizer(Optimizer):
-    """Runs ``optimizer_cls`` on host copies of the parameters; the device keeps only weights.
+    """``optimizer_cls`` with its state in host memory; the device keeps only weights.
 
     Frozen parameters (``requires_grad=False``, e.g. QLoRA's NF4 base weights) are dropped
     before anything is allocated or hooked, so ``model.parameters()`` can be passed as
     torchtune's recipes do. ``param_groups``, ``state``, ``defaults``, hooks and the state
     dict behave as on torch's optimizers, so every LR scheduler and checkpoint helper works.
 
-    Each step copies the gradients to pinned host memory (or, with ``offload_gradients``,
-    takes the copies made during backward), runs ``optimizer_cls.step`` there and copies
-    the updated weights back on a side CUDA stream. On a machine without a GPU the same
-    code runs with synchronous copies.
+    On a GPU, AdamW and Adam (fused, the default) without master weights, offloaded
+    gradients, ``delayed_update``, ``device_fraction`` or DTensor parameters take the
+    streamed update (``offload_plugin.streamed``): each step copies the moments to the GPU,
+    torch's fused CUDA kernel updates weights and moments there, and the moments go back,
+    all on side streams: bit for bit ``torch.optim.AdamW(fused=True)`` on the GPU.
+    Otherwise each step copies the gradients to pinned host memory (or, with
+    ``offload_gradients``, takes the copies made during backward), runs
+    ``optimizer_cls.step`` there and copies the updated weights back on a side CUDA stream.
+    On a machine without a GPU the host update runs with synchronous copies.
 
     Args:
         params (Iterable): parameters or param-group dicts, as for any torch optimizer.
@@ -718,12 +723,14 @@ class CPUOffloadOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
-        """Update the host copies with ``optimizer_cls`` and copy the weights to the device.
+        """Update every parameter that has a gradient.
 
-        Parameters are processed one by one on a background thread: the host update of
-        one overlaps the copies of the others in both directions. A step whose gradients
-        hold an inf or NaN updates nothing (``nonfinite_grads="skip"``, with a warning)
-        or raises (``"raise"``).
+        The streamed update queues its copies and kernels on side streams and returns;
+        later work on the compute stream sees the new weights. The host update processes
+        parameters in batches on a background thread: the update of one overlaps the copies
+        of the others in both directions. A step whose gradients hold an inf or NaN updates
+        nothing (``nonfinite_grads="skip"``, with a warning; the streamed update warns at
+        the next step or state read) or raises (``"raise"``).
         """
         loss = None
         if closure is not None:

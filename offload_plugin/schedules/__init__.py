@@ -1,4 +1,6 @@
-"""Step schedules: what one optimizer step does, from the gradients to the new weights.
+"""Step schedules of the host update: what one optimizer step does, from the gradients to
+the new weights, when the update runs in host memory. (An optimizer that streams its state
+through the GPU instead, ``offload_plugin.streamed``, steps there and none of these apply.)
 
 Which schedule a step uses is decided here, in :func:`choose_overlap` (for a step that
 ``overlap_next_step`` prepared) and :func:`run_step`, by this table and nothing else:
