@@ -456,6 +456,8 @@ def write_weights(opt, plan: LoadPlan) -> None:
     (the model was never loaded, or holds other weights) is what the step updates. Without
     a saved master the host copy restarts from the weight.
     """
+    if opt._streamed is not None:
+        return  # no host copies of the weights (a saved master is ignored, as torch's AdamW does)
     for param in opt._params():
         slot = opt._slots.get(param)
         saved = plan.masters.get(param)

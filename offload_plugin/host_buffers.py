@@ -23,7 +23,7 @@ import torch
 from offload_plugin.distributed import DTensor, local_part
 
 __all__ = ["HostSlot", "HostArena", "ArenaAccount", "allocate_landing", "allocate_moments", "back_to_back",
-           "build_slots", "master_dtype_for"]
+           "build_slots", "give_host_copies", "master_dtype_for"]
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,8 @@ def weight_mark(param: torch.Tensor) -> tuple[int, int, int]:
 
 
 def build_slots(
-    params: list[torch.Tensor], master_weights: bool, arena: "ArenaAccount", spare_grads: bool = False
+    params: list[torch.Tensor], master_weights: bool, arena: "ArenaAccount", spare_grads: bool = False,
+    host_copies: bool = True,
 ) -> list[HostSlot]:
     """Allocate host buffers for ``params`` and copy their current values into the masters.
 
@@ -247,7 +248,19 @@ def build_slots(
     From a GPU the weights come over in their own dtype into the (pinned) gradient
     buffers, asynchronously, and are widened to fp32 on the host in one pass per block:
     much faster than a synchronous, pageable copy per tensor.
+
+    ``host_copies=False`` (the streamed update, which keeps only the state on the host):
+    ``master`` and ``grad`` are placeholders shaped like the parameter over one element,
+    there to key and shape the state; :func:`give_host_copies` replaces them.
     """
+    if not host_copies:
+        slots = []
+        for p in params:
+            placeholder = torch.zeros((), dtype=p.dtype)
+            slots.append(HostSlot(param=p, master=placeholder.expand(p.shape),
+                                  grad=placeholder.expand(p.shape), weight_stage=None,
+                                  param_device=p.device))
+        return slots  # (mark () : nothing on the host matches a weight yet)
     shards = [local_part(p).detach() for p in params]
     numels = [s.numel() for s in shards]
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -291,6 +304,16 @@ def build_slots(
         if not isinstance(p, DTensor):
             slots[-1].push_pair = (slots[-1].weight_source(), p)
     return slots
+
+
+def give_host_copies(slots: list[HostSlot], master_weights: bool, arena: "ArenaAccount") -> None:
+    """Host buffers for slots built without them (``build_slots(host_copies=False)``), when
+    the host update takes over: each slot's master, gradient and stage are replaced in place
+    (its ``mark`` stays empty, so the next step adopts the weight)."""
+    for slot, built in zip(slots, build_slots([s.param for s in slots], master_weights, arena)):
+        slot.master, slot.grad, slot.weight_stage = built.master, built.grad, built.weight_stage
+        slot.push_pair, slot.native_whole = built.push_pair, None
+        slot.mark = ()
 
 
 def allocate_landing(slots: list[HostSlot], arena: "ArenaAccount") -> None:

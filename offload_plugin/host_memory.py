@@ -38,19 +38,22 @@ def state_tensors_per_param(optimizer_cls: type, kwargs: dict) -> int:
 
 
 def bytes_needed(
-    params, master_weights: bool, state_tensors: int, extra_grad_buffers: int = 0
+    params, master_weights: bool, state_tensors: int, extra_grad_buffers: int = 0,
+    host_copies: bool = True,
 ) -> int:
     """Host bytes for master weights, gradient and staging buffers, and optimizer state.
 
     ``extra_grad_buffers``: further gradient-sized buffers per parameter (the delayed
-    update's second gradient buffer and landing buffer).
+    update's second gradient buffer and landing buffer). ``host_copies=False``: the
+    streamed update, which keeps only the state on the host.
     """
     total = 0
     for p in params:
         master = torch.empty((), dtype=master_dtype_for(p, master_weights)).element_size()
         own = p.element_size()
         stage = own if master != own else 0
-        total += p.numel() * (master + own * (1 + extra_grad_buffers) + stage + state_tensors * master)
+        copies = master + own * (1 + extra_grad_buffers) + stage if host_copies else 0
+        total += p.numel() * (copies + state_tensors * master)
     return total
 
 

@@ -33,7 +33,7 @@ from offload_plugin.checkpoint_compat import TORCHAO_MINIMAL_SIZE
 from offload_plugin.device_share import DeviceShare, choose_kept
 from offload_plugin.distributed import DTensor, check_rows_sharded, local_part
 from offload_plugin.gradients import GradientPath, check_dense
-from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots
+from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots, give_host_copies
 from offload_plugin.host_update import forget_batches, uses_fused_adam
 from offload_plugin.options import Options, check_trainable
 from offload_plugin.scaling import Scaling
@@ -399,16 +399,20 @@ class CPUOffloadOptimizer(Optimizer):
         all_params, params = params, [p for p in params if id(p) not in self._keep_ids]
         # A DTensor (FSDP2) parameter costs this rank only its local shard.
         shards = [local_part(p) for p in params]
+        streaming = self._eligible_for_streaming and streamed.eligible(self, group, params)
         if params and self.check_host_memory:
             state = host_memory.state_tensors_per_param(self.optimizer_cls, group)
             spares = 2 if self.delayed_update and self.offload_gradients else 0
             host_memory.check(
-                host_memory.bytes_needed(shards, self.master_weights, state, spares),
+                host_memory.bytes_needed(shards, self.master_weights, state, spares,
+                                         host_copies=not streaming),
                 sum(p.numel() for p in shards), self.master_weights,
             )
+        if not streaming:
+            self._stop_streaming()
         slots = build_slots(
             params, self.master_weights, self._arena,
-            spare_grads=self.delayed_update and self.offload_gradients,
+            spare_grads=self.delayed_update and self.offload_gradients, host_copies=not streaming,
         ) if params else []
         host_group = {k: v for k, v in group.items() if k != "params"}
         host_group["params"] = [s.master for s in slots]
@@ -416,7 +420,8 @@ class CPUOffloadOptimizer(Optimizer):
             self._host_optimizer = self.optimizer_cls([host_group], **self._optimizer_kwargs)
         else:
             self._host_optimizer.add_param_group(host_group)
-        self._choose_update(group, params)
+        if streaming and self._streamed is None and params:
+            self._streamed = streamed.StreamedUpdate(self)
         if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
             # (the fused path creates Adam's state itself)
             allocate_moments(slots, pin=self._streamed is not None and self._arena.pin)
@@ -436,18 +441,24 @@ class CPUOffloadOptimizer(Optimizer):
         self._counts["on_device"] += len(on_device)
         self._counts["on_device_numel"] += sum(p.numel() for p in on_device)
 
-    def _choose_update(self, group: dict, params: list) -> None:
-        """Stream the state through the device (streamed) while every group allows it; a
-        group that does not turns it off for all, the host update taking over from the
-        state as it is (its masters adopt the weights at the next step: weight_sync)."""
-        self._eligible_for_streaming &= streamed.eligible(self, group, params)
-        if self._eligible_for_streaming and self._streamed is None and params:
-            self._streamed = streamed.StreamedUpdate(self)
-        elif not self._eligible_for_streaming and self._streamed is not None:
-            self._streamed.settle()
-            self._streamed = None
-            for slot in self._slots:  # the host copies are stale: adopt every weight
-                slot.mark = ()
+    def _stop_streaming(self) -> None:
+        """A group the streamed update cannot take: the host update takes over for all, from
+        the state as it is. The slots get host copies of their weights (the streamed update
+        keeps none), adopted from the parameters at the next step (weight_sync)."""
+        self._eligible_for_streaming = False
+        if self._streamed is None:
+            return
+        self._streamed.settle()
+        self._streamed = None
+        host = self._host_optimizer
+        placeholders = {id(slot.master): slot for slot in self._slots}
+        give_host_copies(list(self._slots), self.master_weights, self._arena)
+        # The host optimizer knows each slot by its master: key it by the new one.
+        for group in host.param_groups:
+            group["params"] = [placeholders[id(m)].master for m in group["params"]]
+        for old in [m for m in host.state if id(m) in placeholders]:
+            host.state[placeholders[id(old)].master] = host.state.pop(old)
+        forget_batches(host)
 
     def _setup_device(self, device: torch.device) -> None:
         self._shared = process.resources(device, self.host_threads)
@@ -776,6 +787,8 @@ class CPUOffloadOptimizer(Optimizer):
         the version counters that detection reads.
         """
         self._finish_pending()
+        if self._streamed is not None:
+            return  # (no host copies: the streamed update reads the parameters themselves)
         for slot in self._slots:
             adopt_weight(slot)
         if self._device_share is not None:

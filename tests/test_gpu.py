@@ -22,8 +22,10 @@ def _wide_model(seed=0):
     return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]).cuda()
 
 
-def test_host_buffers_are_pinned():
-    """Master weights and gradient buffers are page-locked, so copies run asynchronously."""
+def test_host_buffers_are_pinned(monkeypatch):
+    """The host update's master weights and gradient buffers are page-locked, so copies run
+    asynchronously (the streamed update keeps neither: its moments, test_streamed_gpu.py)."""
+    monkeypatch.setattr(streamed, "ENABLED", False)
     opt = offload(_wide_model())
     for slot in opt._slots:
         assert slot.master.is_pinned() and slot.grad.is_pinned()

@@ -166,3 +166,19 @@ def test_settings_torch_has_no_device_kernel_for_use_the_host_update():
     train(ref_model, ref, 2, start=2)
     train(model, opt, 2, start=2)
     assert_same_params(ref_model, model, exact=True)
+
+
+def test_host_memory_is_the_state_alone():
+    """No host copy of a weight or a gradient: 4 bytes per bf16 parameter (the two moments)
+    and a step count per tensor, against 8 with the host update; the preflight counts the
+    same."""
+    from offload_plugin import host_memory
+
+    model = make_model(dtype=torch.bfloat16)
+    opt = CPUOffloadOptimizer(model.parameters(), **KW)
+    train(model, opt, 1)
+    params = trainable(model)
+    moments = sum(2 * p.numel() * p.element_size() for p in params)
+    assert opt.host_memory_bytes() == moments + 4 * len(params)
+    assert host_memory.bytes_needed(params, False, 2, host_copies=False) == moments
+    assert host_memory.bytes_needed(params, False, 2) == 2 * moments
