@@ -58,7 +58,8 @@ RUNS = {
         "ours_stock_no_in_bwd": ("stock", [OURS, "optimizer_in_bwd=False"]),
         "ours_recipe": ("ours", []),
         # Gradients kept on the GPU until step(): the streamed update (state through the GPU).
-        "ours_recipe_grads_on_gpu": ("ours", ["optimizer.offload_gradients=False", "early_forward=False"]),
+        "ours_recipe_grads_on_gpu": ("ours", ["optimizer.offload_gradients=False", "early_forward=False",
+                                              "optimizer.accumulate_on_device=False"]),
         # fp32 master weights (opt-in): 16 bytes per parameter on the host instead of 8.
         "ours_stock_masters": ("stock", [OURS, "optimizer.master_weights=True"]),
         "ours_recipe_masters": ("ours", ["optimizer.master_weights=True"]),

@@ -182,3 +182,51 @@ def test_host_memory_is_the_state_alone():
     assert opt.host_memory_bytes() == moments + 4 * len(params)
     assert host_memory.bytes_needed(params, False, 2, host_copies=False) == moments
     assert host_memory.bytes_needed(params, False, 2) == 2 * moments
+
+
+def test_checkpoints_move_between_the_streamed_and_the_host_update(monkeypatch):
+    """The same state dict either way: a run resumed from the host update's checkpoint into
+    the streamed update (and back) continues bit for bit as the uninterrupted run (on the
+    CPU both are torch's fused kernel)."""
+    def build(model, streaming):
+        monkeypatch.setattr(streamed, "ENABLED", streaming)
+        opt = CPUOffloadOptimizer(model.parameters(), **KW)
+        assert (opt._streamed is not None) == streaming
+        return opt
+
+    whole = make_model(dtype=torch.bfloat16)
+    start = copy.deepcopy(whole)
+    opt = build(whole, True)
+    train(whole, opt, 6)
+
+    model = start
+    saved = None
+    for part, streaming in enumerate((False, True, False)):
+        opt = build(model, streaming)
+        if saved is not None:
+            opt.load_state_dict(saved)
+        train(model, opt, 2, start=2 * part)
+        saved = copy.deepcopy(opt.state_dict())
+    assert_same_params(whole, model, exact=True)
+
+
+def test_a_nonfinite_gradient_in_backward_spares_that_parameter(caplog):
+    """torchtune's optimizer_in_bwd: each parameter judges its own gradient, as torch's
+    per-parameter optimizers would; the report comes with the next step."""
+    from torchtune import training
+
+    model = make_model()
+    optims = {p: CPUOffloadOptimizer([p], **KW) for p in trainable(model)}
+    training.register_optim_in_bwd_hooks(model, optims)
+    x, y = batch(0, 0, "cpu")
+    ((model(x) - y) ** 2).sum().backward()
+    bad = model[4].weight
+    before = [p.detach().clone() for p in trainable(model)]
+    handle = bad.register_hook(lambda g: torch.full_like(g, float("nan")))
+    ((model(x) - y) ** 2).sum().backward()
+    handle.remove()
+    changed = [not torch.equal(a, p) for a, p in zip(before, trainable(model))]
+    assert changed == [p is not bad for p in trainable(model)]
+    with caplog.at_level(logging.WARNING, logger="offload_plugin"):
+        ((model(x) - y) ** 2).sum().backward()
+    assert "1 parameters had an inf or NaN gradient" in caplog.text
