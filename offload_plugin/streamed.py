@@ -159,6 +159,8 @@ class _Plan:
     first time that set steps (the same set steps every time in training)."""
 
     slots: list  # the stepping slots, in parameter order
+    entries: list  # their state dicts, with the moments the units' spans were cut from
+    moments: list
     units: list
     ring: StagingRing
     steps: list  # each slot's step count on the device (views of one tensor)
@@ -240,9 +242,19 @@ class StreamedUpdate:
         grads = [g for g in grads if g is not None]
         if not grads:
             return
-        for i, g in enumerate(grads):
+        plan = self._plans.get(key)
+        if plan is not None and not _moments_unchanged(plan):
+            self._plans.clear()  # (moments replaced in a state dict: cut the spans anew)
+            plan = None
+        for i, (g, slot) in enumerate(zip(grads, plan.slots if plan is not None else
+                                          [s for s, has in zip(slots, key) if has])):
             if g.is_sparse:
                 check_dense(g)
+            if g.dtype != slot.param.dtype or g.shape != slot.param.shape:
+                raise ValueError(
+                    f"CPUOffloadOptimizer: a gradient of dtype {g.dtype} and shape {tuple(g.shape)} "
+                    f"for a parameter of dtype {slot.param.dtype} and shape {tuple(slot.param.shape)}; "
+                    "set .grad to a tensor like the parameter. Nothing was updated.")
             if not g.is_contiguous():
                 grads[i] = g.contiguous()
         opt._scaling.apply_clip_now(grads)
@@ -251,7 +263,6 @@ class StreamedUpdate:
             raise ValueError(
                 "CPUOffloadOptimizer: amsgrad was turned on after the optimizer was built; "
                 "pass amsgrad=True when building it.")
-        plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan([s for s, g in zip(slots, key) if g])
         steps, ring = plan.steps, plan.ring
@@ -297,7 +308,9 @@ class StreamedUpdate:
         for i, s in enumerate(slots):
             if s.param.numel():
                 by_dtype.setdefault(s.param.dtype, []).append(i)
-        return _Plan(slots, units, ring, self._steps_of(slots), list(by_dtype.values()))
+        entries = [opt._host_optimizer.state[s.master] for s in slots]
+        moments = [(e["exp_avg"], e["exp_avg_sq"]) for e in entries]
+        return _Plan(slots, entries, moments, units, ring, self._steps_of(slots), list(by_dtype.values()))
 
     def _order_at_backward_end(self, ring: StagingRing, compute) -> None:
         """Once per backward: when it ends, order the compute stream after every update
@@ -340,6 +353,13 @@ class StreamedUpdate:
             self._step_views = list(self._device_steps.unbind())
             self._plans.clear()  # (their step views are of the old tensor)
         return [self._step_views[s.order] for s in slots]
+
+
+def _moments_unchanged(plan: _Plan) -> bool:
+    """Whether each stepping slot's state still holds the moments the plan was cut from
+    (``optimizer.state[p]["exp_avg"] = ...`` replaces one)."""
+    return all(e["exp_avg"] is m and e["exp_avg_sq"] is v
+               for e, (m, v) in zip(plan.entries, plan.moments))
 
 
 def _hyperparameters(group: dict, host_optimizer) -> tuple:

@@ -230,3 +230,26 @@ def test_a_nonfinite_gradient_in_backward_spares_that_parameter(caplog):
     with caplog.at_level(logging.WARNING, logger="offload_plugin"):
         ((model(x) - y) ** 2).sum().backward()
     assert "1 parameters had an inf or NaN gradient" in caplog.text
+
+
+def test_replaced_moments_and_mismatched_gradients():
+    """A moment replaced inside a state dict is what the next step reads and writes, as in
+    torch; a gradient unlike its parameter is refused before anything changes."""
+    ref_model, model = twins()
+    ref = torch.optim.AdamW(trainable(ref_model), fused=True, **KW)
+    opt = CPUOffloadOptimizer(model.parameters(), **KW)
+    for m, o in ((ref_model, ref), (model, opt)):
+        train(m, o, 2)
+        p = trainable(m)[0]
+        o.state[p]["exp_avg"] = o.state[p]["exp_avg"] * 0.5
+        train(m, o, 2, start=2)
+    assert_same_params(ref_model, model, exact=True)
+    assert torch.equal(opt.state[trainable(model)[0]]["exp_avg"], ref.state[trainable(ref_model)[0]]["exp_avg"])
+
+    before = [p.clone() for p in trainable(model)]
+    for p in trainable(model):
+        p.grad = torch.ones_like(p)
+    trainable(model)[1].grad.data = torch.ones(3)  # (torch refuses it as .grad itself)
+    with pytest.raises(ValueError, match="set .grad to a tensor like the parameter"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, trainable(model)))
