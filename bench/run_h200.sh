@@ -11,6 +11,9 @@
 #   bash bench/run_h200.sh 8b16k    # Llama-3.1-8B full 16k (ga 4 + AC), no master weights, with the
 #                                   # opt-in accumulate_on_device and delayed_update modes; each one-GPU
 #                                   # stage's main table has no_update, the floor for "added GiB"
+#   bash bench/run_h200.sh streamed # the streamed update (the default on a GPU): copy bandwidth and a traced
+#                                   # 1B step, the step over 192 adapters, and torchtune's stock 1B full recipe
+#                                   # with each optimizer and ours (about 6 minutes)
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
 #                                   # GPU AdamW, FSDP2's CPUOffloadPolicy, ours (each rank its shard);
 #                                   # about 4-6 minutes, at most 7 (--time-budget)
@@ -56,6 +59,12 @@ for stage in "$@"; do
         bench llama3_1_8b-full-16384-ga4-ac --model llama3_1_8b --job full --tokens-per-step 16384 --seq-len 2048 \
             --grad-accum 4 --activation-checkpointing --steps 6 --warmup 2 \
             --optimizers gpu_adamw,no_update,offload_grads_nomaster_devacc_delayed,bnb_paged8bit ;;
+    streamed)
+        python3 bench/streamed_timeline.py | tee "$OUT/streamed_timeline.json"
+        python3 bench/step_overhead.py --steps 40 | tee "$OUT/step_overhead.txt"
+        python3 bench/bench_stock.py --job full --model 1b --steps 10 \
+            --runs stock_as_shipped,torch_adamw,torchao,ours_stock,ours_stock_no_in_bwd,ours_recipe,ours_recipe_grads_on_gpu \
+            | tee "$OUT/stock_1b_full.txt" ;;
     fsdp2)
         # Global 16384 tokens = 2 ranks x 2 micro-batches x 2 sequences of 2048. A child that
         # hangs or crawls is stopped at 150 s and recorded; the stage stops starting new ones
