@@ -424,7 +424,7 @@ class CPUOffloadOptimizer(Optimizer):
             self._streamed = streamed.StreamedUpdate(self)
         if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
             # (the fused path creates Adam's state itself)
-            allocate_moments(slots, pin=self._streamed is not None and self._arena.pin)
+            allocate_moments(slots, pin=streaming and self._arena.pin)
         shard_of = getattr(self._host_optimizer, "shard_of", None)  # (CompactAdamW lays out shards' state)
         for slot in slots:
             slot.on_replaced = getattr(self._host_optimizer, "weight_replaced", None)
@@ -648,13 +648,8 @@ class CPUOffloadOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
-        if self._streamed is not None:  # nothing on the host or in a worker to reset
-            self._scaling.reset()
-            super().zero_grad(set_to_none)
-            self._scaling.finite.clear()
-            self._scaling.scaled_since_zero_grad = False
-            return
-        if not self.delayed_update and self._returned_early is None and not self._in_backward:
+        host = self._streamed is None  # (the streamed update keeps no host gradients, no worker)
+        if host and not self.delayed_update and self._returned_early is None and not self._in_backward:
             self._updates.flush(self._running)
             if self._scaling.clip_norms is not None:
                 self._scaling.clip_norms.batch.flush()
@@ -667,7 +662,7 @@ class CPUOffloadOptimizer(Optimizer):
             # micro-batch's first): they are reset when it finishes, which is before the
             # next gradient lands (the next forward waits for every update first).
             self._returned_early.zero_grad = set_to_none
-        else:
+        elif host:
             # (Slots whose update this backward queued keep their copy's event: the update
             # waits for it. Waiting here would stall the backward on the GPU.)
             self._grads.reset(set_to_none, keep=in_backward.in_flight(self))

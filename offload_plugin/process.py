@@ -37,7 +37,7 @@ class Resources:
     transfers: Transfers
     worker: HostWorker
     arenas: dict = dataclasses.field(default_factory=dict)  # pin -> HostArena
-    staging: dict = dataclasses.field(default_factory=dict)  # (device, dtype) -> streamed.StagingRing
+    ring: Optional[object] = None  # streamed.StagingRing, made by the first streamed step
 
     def arena(self, pin: bool) -> HostArena:
         pin = pin and self.transfers.is_async

@@ -246,8 +246,8 @@ class StreamedUpdate:
         if plan is not None and not _moments_unchanged(plan):
             self._plans.clear()  # (moments replaced in a state dict: cut the spans anew)
             plan = None
-        for i, (g, slot) in enumerate(zip(grads, plan.slots if plan is not None else
-                                          [s for s, has in zip(slots, key) if has])):
+        stepping = plan.slots if plan is not None else [s for s, has in zip(slots, key) if has]
+        for i, (g, slot) in enumerate(zip(grads, stepping)):
             if g.is_sparse:
                 check_dense(g)
             if g.dtype != slot.param.dtype or g.shape != slot.param.shape:
@@ -264,7 +264,7 @@ class StreamedUpdate:
                 "CPUOffloadOptimizer: amsgrad was turned on after the optimizer was built; "
                 "pass amsgrad=True when building it.")
         if plan is None:
-            plan = self._plans[key] = self._plan([s for s, g in zip(slots, key) if g])
+            plan = self._plans[key] = self._plan(stepping)
         steps, ring = plan.steps, plan.ring
         compute = torch.cuda.current_stream(ring.device) if ring.is_async else None
         if ring.is_async:
@@ -300,7 +300,10 @@ class StreamedUpdate:
         groups = {id(p): g for g in opt.param_groups for p in g["params"]}
         units = _plan_units(slots, opt.param_groups, groups, opt._host_optimizer.state)
         position = {id(s): i for i, s in enumerate(slots)}
-        ring = self._ring(slots[0].param.device)
+        shared = opt._shared  # (one device's resources: one ring)
+        if shared.ring is None:
+            shared.ring = StagingRing(slots[0].param.device)
+        ring = shared.ring
         for unit in units:
             unit.at = [position[id(s)] for s, _, _ in unit.items]
             ring.reserve(unit.exp_avg.dtype, unit.numel)
@@ -335,12 +338,6 @@ class StreamedUpdate:
         self._verdict = _Verdict(self._written, count, whole_step)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _ring(self, device: torch.device) -> StagingRing:
-        rings = self._opt._shared.staging
-        if str(device) not in rings:
-            rings[str(device)] = StagingRing(device)
-        return rings[str(device)]
-
     def _steps_of(self, slots: list[HostSlot]) -> list[torch.Tensor]:
         """Each slot's step count on the device (taken from the host state the first time)."""
         opt = self._opt

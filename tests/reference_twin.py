@@ -117,3 +117,22 @@ def assert_same_params(a: nn.Module, b: nn.Module, exact: bool) -> None:
 
 def offload(model, **kwargs) -> CPUOffloadOptimizer:
     return CPUOffloadOptimizer(model.parameters(), **kwargs)
+
+
+def trained_in_two_groups(device, dtype, cls, **kwargs):
+    """Twins trained 5 steps with torchtune's scaling and clipping and a StepLR, their
+    trainable layers in two param groups (the second at its own lr): torch's fused ``cls``
+    and CPUOffloadOptimizer(optimizer_cls=cls). Returns (ref_model, ref, model, opt, and
+    each side's (losses, norms))."""
+    def groups(model):
+        layers = [m for m in model if isinstance(m, nn.Linear) and m.weight.requires_grad]
+        return [{"params": list(layers[0].parameters())},
+                {"params": [p for m in layers[1:] for p in m.parameters()], "lr": 3e-3}]
+
+    ref_model, model = twins(device, dtype)
+    ref = cls(groups(ref_model), fused=True, **kwargs)
+    opt = CPUOffloadOptimizer(groups(model), optimizer_cls=cls, **kwargs)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 2, 0.5) for o in (ref, opt)]
+    ref_run = train(ref_model, ref, 5, clip=0.5, sched=scheds[0])
+    run = train(model, opt, 5, clip=0.5, sched=scheds[1])
+    return ref_model, ref, model, opt, ref_run, run
