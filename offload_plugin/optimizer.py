@@ -424,7 +424,7 @@ class CPUOffloadOptimizer(Optimizer):
             self._streamed = streamed.StreamedUpdate(self)
         if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
             # (the fused path creates Adam's state itself)
-            allocate_moments(slots, pin=streaming and self._arena.pin)
+            allocate_moments(slots, pin=self._streamed is not None and self._arena.pin)
         shard_of = getattr(self._host_optimizer, "shard_of", None)  # (CompactAdamW lays out shards' state)
         for slot in slots:
             slot.on_replaced = getattr(self._host_optimizer, "weight_replaced", None)
