@@ -20,6 +20,15 @@ ring of staging buffers shared by all optimizers of a process (torchtune's
 the inf/NaN verdict live on the device; the host copies of the counts are brought up to
 date (and a skipped step reported) when the state is read, at the next step, or by
 :meth:`StreamedUpdate.settle`.
+
+Inside a backward (torchtune's ``optimizer_in_bwd``: one optimizer per parameter, each
+stepped in its gradient's hook) a step only checks its gradient and queues it on the ring;
+the queued steps go to the GPU together once they hold FLUSH_NUMEL elements, and when the
+backward ends. Their verdicts, step counts and small moments then cost a few launches for
+many parameters instead of a dozen each, which kept the backward's launches waiting on the
+hooks' Python (stock 1B full fine-tuning ran at 0.85-0.88x the same recipe without
+``optimizer_in_bwd``). Each parameter still gets its own verdict, as torch's
+per-parameter optimizers would.
 """
 
 from __future__ import annotations
@@ -42,6 +51,11 @@ __all__ = ["eligible", "StagingRing", "StreamedUpdate"]
 # moments) costs 96 MiB of device memory for bf16 parameters.
 CHUNK_NUMEL = 1 << 23
 RING_SIZE = 3
+# Queued steps inside a backward go to the GPU once they hold this many elements: a
+# transformer layer's small tensors travel together, its large ones about alone.
+FLUSH_NUMEL = 1 << 22
+# Staging offsets are multiples of this many elements (the kernels' vectorized loads).
+ALIGN = 64
 # Tests turn this on to run the same code with parameters on the CPU (no streams).
 _ON_CPU = False
 # Benchmarks switch this off to time the host update on the same machine.
@@ -73,8 +87,9 @@ def eligible(opt, group: dict, params: list[torch.Tensor]) -> bool:
 
 
 class StagingRing:
-    """Device buffers that moments pass through (a few per dtype), and three streams: moments
-    in, the kernels, moments out. One per device, shared by the optimizers of a process.
+    """Device buffers that moments pass through (a few per dtype), three streams (moments
+    in, the kernels, moments out), and the steps queued inside a backward. One per device,
+    shared by the optimizers of a process.
 
     The copies in wait for nothing but a free buffer (the state does not depend on the
     gradient), so they run ahead of the kernels, which wait for the gradients and for their
@@ -90,7 +105,9 @@ class StagingRing:
         self._pools: dict = {}  # dtype -> [buffer pairs, each one's last copy out, next index]
         self.numel: dict = {}  # dtype -> elements per buffer
         self.generation = 0  # counts replacements of buffers (views of them go stale)
-        self.backward_task = -1  # the backward whose end already orders the compute stream
+        self.backward_task = -1  # the backward whose end flushes the queue and orders the compute stream
+        self.queued: list = []  # _Jobs not yet on the GPU (steps taken inside a backward)
+        self.queued_numel = 0
 
     def reserve(self, dtype: torch.dtype, numel: int) -> None:
         """Buffers of at least ``numel`` elements (grown by doubling, at most CHUNK_NUMEL:
@@ -149,7 +166,7 @@ class _Unit:
     exp_avg_sq: torch.Tensor
     params: list  # the device tensors the kernel updates (views for a range)
     at: list = dataclasses.field(default_factory=list)  # each item's place among the step's gradients
-    stage_views: dict = dataclasses.field(default_factory=dict)  # buffer index -> (ms, vs)
+    stage_views: dict = dataclasses.field(default_factory=dict)  # (buffer index, offset) -> (ms, vs)
     generation: int = -1  # of the ring whose buffers stage_views cut
 
 
@@ -164,7 +181,17 @@ class _Plan:
     units: list
     ring: StagingRing
     steps: list  # each slot's step count on the device (views of one tensor)
-    by_dtype: list  # positions of the gradients of each dtype (for the verdict)
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    """One optimizer's step, checked, whose GPU work is not queued yet (see _run_jobs)."""
+
+    owner: "StreamedUpdate"
+    plan: _Plan
+    grads: list  # the plan's slots' gradients, in its order
+    hyper: list  # per param group: the kernel and its arguments at step() time
+    whole_step: bool  # False inside a backward: a parameter's verdict is its own
 
 
 @dataclasses.dataclass
@@ -172,6 +199,8 @@ class _Verdict:
     """A step whose inf/NaN verdict is still on its way to the host."""
 
     done: Optional[object]  # event after the copy (None: synchronous)
+    found: torch.Tensor  # host flags of the steps queued together, this one's at ``index``
+    index: int
     count: int  # parameters judged
     whole_step: bool
 
@@ -187,12 +216,15 @@ class StreamedUpdate:
         self._plans: dict = {}  # which slots step (a tuple of bools) -> _Plan
         self._written: Optional[object] = None  # the last copy of state into host memory
         self._verdict: Optional[_Verdict] = None
-        self._skipped: Optional[torch.Tensor] = None  # host scalar the verdict lands in
+        self._queued_on: Optional[StagingRing] = None  # a step of ours waits in its queue
 
     # ------------------------------------------------------------------ host view
     def settle(self) -> None:
-        """Bring the host state up to date: wait for the copies out, copy the step counts
-        into the state, report a skipped step. Cheap when nothing is in flight."""
+        """Bring the host state up to date: send a queued step to the GPU, wait for the
+        copies out, copy the step counts into the state, report a skipped step. Cheap when
+        nothing is in flight."""
+        if self._queued_on is not None:
+            _flush(self._queued_on)
         if self._written is not None:
             self._written.synchronize()
             self._written = None
@@ -219,7 +251,7 @@ class StreamedUpdate:
             return
         if verdict.done is not None:
             verdict.done.synchronize()
-        if not float(self._skipped):
+        if not float(verdict.found[verdict.index]):
             return
         scaling = self._opt._scaling
         if verdict.whole_step:
@@ -230,10 +262,13 @@ class StreamedUpdate:
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self, in_backward: bool) -> None:
-        """Queue the update of every parameter with a gradient; never waits for the GPU.
-        Inside a backward (torchtune's ``optimizer_in_bwd``) the compute stream is ordered
-        after the updates when that backward ends, else at once."""
+        """Check the gradients and queue the update of every parameter with one; never
+        waits for the GPU. Inside a backward (torchtune's ``optimizer_in_bwd``) the update
+        joins the ring's queue (see the module docstring), and the compute stream is ordered
+        after the updates when that backward ends; otherwise at once."""
         opt = self._opt
+        if self._queued_on is not None:  # (a second step inside one backward)
+            _flush(self._queued_on)
         if self._verdict is not None:
             self._take_verdict()
         slots = opt._slots.ordered  # (in parameter order: no device_fraction here)
@@ -265,31 +300,19 @@ class StreamedUpdate:
                 "pass amsgrad=True when building it.")
         if plan is None:
             plan = self._plans[key] = self._plan(stepping)
-        steps, ring = plan.steps, plan.ring
-        compute = torch.cuda.current_stream(ring.device) if ring.is_async else None
-        if ring.is_async:
-            ring.update.wait_stream(compute)  # the gradients are written there
-            if self._written is not None:  # this optimizer's last copies into host memory
-                ring.load.wait_event(self._written)
-        hyper = [_hyperparameters(g, opt._host_optimizer) for g in groups]
-        with _on(ring.update):
-            # One verdict for the set: a whole step, or inside backward the parameters of
-            # this optimizer (one each for torchtune's optimizer_in_bwd, as torch's would).
-            found = _nonfinite(grads, plan.by_dtype)
-            torch._foreach_add_(steps, 1)
-        for unit in plan.units:
-            _run_unit(unit, grads, steps, ring, found, hyper[unit.group])
-        with _on(ring.update):
-            torch._foreach_sub_(steps, [found] * len(steps))
+        ring = plan.ring
+        if in_backward:
+            _flush_when_backward_ends(ring)
+        ring.queued.append(_Job(self, plan, grads, [_hyperparameters(g, opt._host_optimizer) for g in groups],
+                                whole_step=not in_backward))
+        ring.queued_numel += sum(g.numel() for g in grads)
+        self._queued_on = ring
         self._steps_moved = True
-        self._send_verdict(ring, found, len(steps), whole_step=not in_backward)
-        if ring.is_async:
-            if in_backward:
-                for grad in grads:  # torchtune frees it in the same hook; backward goes on
-                    grad.record_stream(ring.update)
-                self._order_at_backward_end(ring, compute)
-            else:
-                compute.wait_stream(ring.update)  # later work (the next forward) sees the new weights
+        if in_backward:
+            if ring.queued_numel >= FLUSH_NUMEL:
+                _flush(ring, in_backward=True)
+        else:
+            _flush(ring, in_backward=False)
         if opt.nonfinite_grads == "raise":
             self.settle()
 
@@ -307,35 +330,9 @@ class StreamedUpdate:
         for unit in units:
             unit.at = [position[id(s)] for s, _, _ in unit.items]
             ring.reserve(unit.exp_avg.dtype, unit.numel)
-        by_dtype: dict = {}
-        for i, s in enumerate(slots):
-            if s.param.numel():
-                by_dtype.setdefault(s.param.dtype, []).append(i)
         entries = [opt._host_optimizer.state[s.master] for s in slots]
         moments = [(e["exp_avg"], e["exp_avg_sq"]) for e in entries]
-        return _Plan(slots, entries, moments, units, ring, self._steps_of(slots), list(by_dtype.values()))
-
-    def _order_at_backward_end(self, ring: StagingRing, compute) -> None:
-        """Once per backward: when it ends, order the compute stream after every update
-        queued on the ring (the weights of the next forward)."""
-        task = torch._C._current_graph_task_id()
-        if ring.backward_task != task:
-            ring.backward_task = task
-            update = ring.update
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: compute.wait_stream(update))
-
-    def _send_verdict(self, ring: StagingRing, found: torch.Tensor, count: int, whole_step: bool) -> None:
-        """Start the verdict's copy to the host; mark where this optimizer's state is written."""
-        if self._skipped is None:  # one for all steps: a verdict is read before the next is sent
-            self._skipped = torch.empty((), dtype=torch.float32, pin_memory=ring.is_async)
-        if ring.is_async:
-            ring.store.wait_stream(ring.update)
-            with torch.cuda.stream(ring.store):
-                self._skipped.copy_(found, non_blocking=True)
-            self._written = record(ring.store)
-        else:
-            self._skipped.copy_(found)
-        self._verdict = _Verdict(self._written, count, whole_step)
+        return _Plan(slots, entries, moments, units, ring, self._steps_of(slots))
 
     # ------------------------------------------------------------------ bookkeeping
     def _steps_of(self, slots: list[HostSlot]) -> list[torch.Tensor]:
@@ -350,6 +347,108 @@ class StreamedUpdate:
             self._step_views = list(self._device_steps.unbind())
             self._plans.clear()  # (their step views are of the old tensor)
         return [self._step_views[s.order] for s in slots]
+
+
+def _flush_when_backward_ends(ring: StagingRing) -> None:
+    """Once per backward: when it ends, send what is still queued to the GPU and order the
+    compute stream after every update (the weights of the next forward)."""
+    task = torch._C._current_graph_task_id()
+    if ring.backward_task == task:
+        return
+    ring.backward_task = task
+    _flush(ring, in_backward=True)  # (left by a backward that raised: its end never came)
+    compute = torch.cuda.current_stream(ring.device) if ring.is_async else None
+
+    def at_end() -> None:
+        _flush(ring, in_backward=True)
+        if compute is not None:
+            compute.wait_stream(ring.update)
+
+    torch.autograd.Variable._execution_engine.queue_callback(at_end)
+
+
+def _flush(ring: StagingRing, in_backward: Optional[bool] = None) -> None:
+    """Send the ring's queued steps to the GPU. Inside a backward the gradients are marked
+    in use by the update stream (torchtune frees each in its hook, and backward goes on);
+    after it the compute stream waits for the updates at once."""
+    jobs, ring.queued, ring.queued_numel = ring.queued, [], 0
+    if not jobs:
+        return
+    for job in jobs:
+        job.owner._queued_on = None
+    if in_backward is None:
+        in_backward = torch._C._current_graph_task_id() != -1
+    _run_jobs(ring, jobs)
+    if ring.is_async:
+        if in_backward:
+            for job in jobs:
+                for grad in job.grads:
+                    grad.record_stream(ring.update)
+        else:
+            torch.cuda.current_stream(ring.device).wait_stream(ring.update)
+
+
+@torch.no_grad()
+def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
+    """Queue the GPU work of ``jobs``: their verdicts at once, each unit's moments in, its
+    kernel and its moments out, the step counts, and the verdicts' copy to the host."""
+    if ring.is_async:
+        ring.update.wait_stream(torch.cuda.current_stream(ring.device))  # the gradients are written there
+        for job in jobs:  # the last copies into host memory of the moments read now
+            if job.owner._written is not None:
+                ring.load.wait_event(job.owner._written)
+    steps = [s for job in jobs for s in job.plan.steps]
+    with _on(ring.update):
+        each, flags = _verdicts(jobs)
+        torch._foreach_add_(steps, 1)
+    filling: dict = {}  # dtype -> [buffer index, elements used]: small units share a buffer
+    for job, found in zip(jobs, each):
+        for unit in job.plan.units:
+            _run_unit(unit, job.grads, job.plan.steps, ring, found, job.hyper[unit.group], filling)
+    for dtype, (index, _) in filling.items():
+        ring.release(dtype, index)
+    with _on(ring.update):
+        torch._foreach_sub_(steps, [found for job, found in zip(jobs, each) for _ in job.plan.steps])
+    host = torch.empty(len(jobs), dtype=torch.float32, pin_memory=ring.is_async)
+    done = None
+    if ring.is_async:
+        ring.store.wait_stream(ring.update)
+        with torch.cuda.stream(ring.store):
+            host.copy_(flags, non_blocking=True)
+        done = record(ring.store)
+    else:
+        host.copy_(flags)
+    for i, job in enumerate(jobs):
+        job.owner._written = done
+        job.owner._verdict = _Verdict(done, host, i, len(job.plan.steps), job.whole_step)
+
+
+def _verdicts(jobs: list[_Job]) -> tuple[list, torch.Tensor]:
+    """Each job's verdict (a 0-d float tensor on the device: 1.0 if any of its gradients
+    holds an inf or NaN), and all of them as one vector, without waiting."""
+    flat = [(j, g) for j, job in enumerate(jobs) for g in job.grads if g.numel()]
+    device = jobs[0].grads[0].device
+    if not flat:
+        flags = torch.zeros(len(jobs), dtype=torch.float32, device=device)
+        return list(flags.unbind()), flags
+    by_dtype: dict = {}
+    for k, (_, g) in enumerate(flat):
+        by_dtype.setdefault(g.dtype, []).append(k)
+    if len(by_dtype) == 1:
+        per_grad = _nonfinite_each([g for _, g in flat])
+    else:
+        per_grad = torch.empty(len(flat), dtype=torch.float32, device=device)
+        for positions in by_dtype.values():
+            per_grad[positions] = _nonfinite_each([flat[k][1] for k in positions])
+    owners = [j for j, _ in flat]
+    if owners == list(range(len(jobs))):  # one non-empty gradient each (optimizer_in_bwd)
+        return list(per_grad.unbind()), per_grad
+    each = []
+    for j in range(len(jobs)):
+        mine = [k for k, owner in enumerate(owners) if owner == j]
+        each.append(per_grad[mine[0]:mine[-1] + 1].amax() if mine
+                    else torch.zeros((), dtype=torch.float32, device=device))
+    return each, torch.stack(each)
 
 
 def _moments_unchanged(plan: _Plan) -> bool:
@@ -370,17 +469,24 @@ def _hyperparameters(group: dict, host_optimizer) -> tuple:
 
 
 def _run_unit(unit: _Unit, grads: list, steps: list, ring: StagingRing, found: torch.Tensor,
-              hyper: tuple) -> None:
-    """Queue one unit: its moments in, the kernel, its moments out."""
+              hyper: tuple, filling: dict) -> None:
+    """Queue one unit: its moments in, the kernel, its moments out. ``filling``: per dtype
+    the staging buffer being filled and how much of it is used; a unit that does not fit
+    takes the next buffer (the caller releases the last ones)."""
     dtype = unit.exp_avg.dtype
     if ring.is_async:
-        index = ring.take(dtype)
+        index, used = filling.get(dtype, (None, 0))
+        if index is None or used + unit.numel > ring.numel[dtype]:
+            if index is not None:
+                ring.release(dtype, index)
+            index, used = ring.take(dtype), 0
+        filling[dtype] = (index, used + -(-unit.numel // ALIGN) * ALIGN)
         m_stage, v_stage = ring.buffers(dtype, index)
         with torch.cuda.stream(ring.load):
-            m_stage[:unit.numel].copy_(unit.exp_avg, non_blocking=True)
-            v_stage[:unit.numel].copy_(unit.exp_avg_sq, non_blocking=True)
+            m_stage[used:used + unit.numel].copy_(unit.exp_avg, non_blocking=True)
+            v_stage[used:used + unit.numel].copy_(unit.exp_avg_sq, non_blocking=True)
         ring.update.wait_event(record(ring.load))
-        ms, vs = _stage_views(ring, index, unit)
+        ms, vs = _stage_views(ring, index, used, unit)
     else:  # (tests on the CPU: the kernel updates the host moments in place)
         ms, vs = _item_views(unit, unit.exp_avg), _item_views(unit, unit.exp_avg_sq)
     gs = []
@@ -396,9 +502,8 @@ def _run_unit(unit: _Unit, grads: list, steps: list, ring: StagingRing, found: t
     if ring.is_async:
         ring.store.wait_stream(ring.update)
         with torch.cuda.stream(ring.store):
-            unit.exp_avg.copy_(m_stage[:unit.numel], non_blocking=True)
-            unit.exp_avg_sq.copy_(v_stage[:unit.numel], non_blocking=True)
-        ring.release(dtype, index)
+            unit.exp_avg.copy_(m_stage[used:used + unit.numel], non_blocking=True)
+            unit.exp_avg_sq.copy_(v_stage[used:used + unit.numel], non_blocking=True)
 
 
 def _on(stream):
@@ -406,14 +511,17 @@ def _on(stream):
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
-def _stage_views(ring: StagingRing, index: int, unit: _Unit) -> tuple[list, list]:
+def _stage_views(ring: StagingRing, index: int, offset: int, unit: _Unit) -> tuple[list, list]:
+    """The unit's items in staging buffer ``index`` from ``offset`` on (kept: a training
+    step places each unit the same way every time)."""
     if unit.generation != ring.generation:
         unit.stage_views, unit.generation = {}, ring.generation
-    views = unit.stage_views.get(index)
+    views = unit.stage_views.get((index, offset))
     if views is None:
         m_stage, v_stage = ring.buffers(unit.exp_avg.dtype, index)
-        views = unit.stage_views[index] = (_item_views(unit, m_stage[:unit.numel]),
-                                           _item_views(unit, v_stage[:unit.numel]))
+        views = unit.stage_views[(index, offset)] = (
+            _item_views(unit, m_stage[offset:offset + unit.numel]),
+            _item_views(unit, v_stage[offset:offset + unit.numel]))
     return views
 
 
@@ -474,16 +582,10 @@ def _item_views(unit: _Unit, flat: torch.Tensor) -> list[torch.Tensor]:
     return views
 
 
-def _nonfinite(grads: list[torch.Tensor], by_dtype: list) -> torch.Tensor:
-    """1.0 (a 0-d tensor on the gradients' device) if any holds an inf or NaN, else 0.0,
-    without waiting: the largest magnitude of each is finite exactly when all its elements
-    are (NaN propagates through the maximum; a sum of magnitudes could overflow for finite
-    values). ``by_dtype``: the positions of the non-empty gradients of each dtype."""
-    found = None
-    for positions in by_dtype:
-        largest = torch._foreach_norm([grads[i] for i in positions], math.inf)
-        bad = (~torch.stack(largest).isfinite()).any() if len(largest) > 1 else ~largest[0].isfinite()
-        found = bad if found is None else found | bad
-    if found is None:
-        return torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    return found.float()
+def _nonfinite_each(grads: list[torch.Tensor]) -> torch.Tensor:
+    """A float vector on the gradients' device (one dtype, none empty): 1.0 where a
+    gradient holds an inf or NaN, else 0.0, without waiting. The largest magnitude of each
+    is finite exactly when all its elements are (NaN propagates through the maximum; a sum
+    of magnitudes could overflow for finite values)."""
+    largest = torch._foreach_norm(grads, math.inf)
+    return (~torch.stack(largest).isfinite()).float()

@@ -95,10 +95,15 @@ def test_nonfinite_step_is_skipped_and_reported(caplog):
         raising.step()
 
 
-def test_optimizer_in_backward_matches_torch_stepped_the_same_way():
+@pytest.mark.parametrize("flush_numel", [1, 1000, streamed.FLUSH_NUMEL])
+def test_optimizer_in_backward_matches_torch_stepped_the_same_way(monkeypatch, flush_numel):
     """torchtune's optimizer_in_bwd (one optimizer per parameter, stepped in its gradient
-    hook): bit for bit torch's fused AdamW stepped the same way, one verdict per parameter."""
+    hook): bit for bit torch's fused AdamW stepped the same way, one verdict per parameter,
+    whether the queued steps go to the device one by one, a few together, or all when the
+    backward ends."""
     from torchtune import training
+
+    monkeypatch.setattr(streamed, "FLUSH_NUMEL", flush_numel)
 
     ref_model, model = twins()
     for m, make in ((ref_model, lambda ps: torch.optim.AdamW(ps, fused=True, **KW)),
@@ -198,10 +203,14 @@ def test_checkpoints_move_between_the_streamed_and_the_host_update(monkeypatch):
     assert_same_params(whole, model, exact=True)
 
 
-def test_a_nonfinite_gradient_in_backward_spares_that_parameter(caplog):
+@pytest.mark.parametrize("flush_numel", [1, streamed.FLUSH_NUMEL])
+def test_a_nonfinite_gradient_in_backward_spares_that_parameter(caplog, monkeypatch, flush_numel):
     """torchtune's optimizer_in_bwd: each parameter judges its own gradient, as torch's
-    per-parameter optimizers would; the report comes with the next step."""
+    per-parameter optimizers would, also when its step went to the device with others';
+    the report comes with the next step."""
     from torchtune import training
+
+    monkeypatch.setattr(streamed, "FLUSH_NUMEL", flush_numel)
 
     model = make_model()
     optims = {p: CPUOffloadOptimizer([p], **KW) for p in trainable(model)}
@@ -218,6 +227,41 @@ def test_a_nonfinite_gradient_in_backward_spares_that_parameter(caplog):
     with caplog.at_level(logging.WARNING, logger="offload_plugin"):
         ((model(x) - y) ** 2).sum().backward()
     assert "1 parameters had an inf or NaN gradient" in caplog.text
+
+
+@pytest.mark.parametrize("settle", ["state_dict", "finish_step"])
+def test_steps_queued_by_a_backward_that_failed_are_made_as_torch_made_them(settle):
+    """A backward that raises after some gradient hooks ran: torch's per-parameter
+    optimizers have updated those parameters. The steps those hooks queued are made when
+    any of their optimizers' state is read or finish_step() is called (the end of that
+    backward, which would have sent them, never comes)."""
+    from torchtune import training
+
+    ref_model, model = twins()
+    made = {}
+    for m, make in ((ref_model, lambda ps: torch.optim.AdamW(ps, fused=True, **KW)),
+                    (model, lambda ps: CPUOffloadOptimizer(ps, **KW))):
+        made[m] = optims = {p: make([p]) for p in trainable(m)}
+        training.register_optim_in_bwd_hooks(m, optims)
+    for m in (ref_model, model):
+        x, y = batch(0, 0, "cpu")
+        hidden = m[:3](x)  # the last layer's hooks run before the failure reaches here
+        hidden.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("failed in backward")))
+        with pytest.raises(RuntimeError, match="failed in backward"):
+            ((m[3:](hidden) - y) ** 2).sum().backward()
+    last = made[model][model[4].weight]
+    last.state_dict() if settle == "state_dict" else last.finish_step()
+    assert_same_params(ref_model, model, exact=True)
+    for ref, ours in zip(made[ref_model].values(), made[model].values()):
+        theirs, mine = ref.state_dict()["state"], ours.state_dict()["state"]
+        assert mine.keys() == theirs.keys()
+        for index, entry in theirs.items():
+            for key, value in entry.items():
+                assert torch.equal(mine[index][key], value), key
+    for m in (ref_model, model):
+        x, y = batch(1, 0, "cpu")
+        ((m(x) - y) ** 2).sum().backward()
+    assert_same_params(ref_model, model, exact=True)
 
 
 def test_replaced_moments_and_mismatched_gradients():

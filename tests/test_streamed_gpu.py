@@ -126,7 +126,7 @@ def test_gpu_streamed_verdict_is_exact(dtype, bad):
             grads = [torch.full((1000 + i,), big / 2, dtype=dtype, device="cuda") for i in range(count)]
             if bad is not None:
                 grads[where].view(-1)[where] = bad
-            found = streamed._nonfinite(grads, [list(range(count))])
+            found = streamed._nonfinite_each(grads).amax()
             assert float(found) == (0.0 if bad is None else 1.0)
 
 
