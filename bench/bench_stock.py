@@ -14,6 +14,7 @@ same batches (see ``summarize``).
     python bench/bench_stock.py --job full --model 1b --runs ours_stock,torch_adamw --steps 4  # a subset
     python bench/bench_stock.py --job qlora --model 1b --runs stock_as_shipped,ours_stock --repeats 3 --steps 30 --warmup 5
     python bench/bench_stock.py --job lora --model 8b --runs stock_as_shipped,ours_stock --steps 6  # bf16 base weights
+    python bench/bench_stock.py --job full --model 8b --gpu-gib 24 --runs ours_stock,torchao_offload_grads --steps 5
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ RUNS = {
                                   "optimizer_in_bwd=False"]),
         "torchao": ("stock", ["optimizer._component_=torchao.optim.CPUOffloadOptimizer",
                               "optimizer_in_bwd=False"]),
+        # torchao with its gradients moved to the host in backward (what fits a small GPU).
+        "torchao_offload_grads": ("stock", ["optimizer._component_=torchao.optim.CPUOffloadOptimizer",
+                                            "optimizer_in_bwd=False", "optimizer.offload_gradients=True"]),
         "ours_stock": ("stock", [OURS]),
         "ours_stock_no_in_bwd": ("stock", [OURS, "optimizer_in_bwd=False"]),
         "ours_recipe": ("ours", []),
@@ -203,6 +207,9 @@ def main() -> None:
                    help="run the whole list this many times, interleaved (a, b, a, b); tokens/s is "
                         "the mean over repeats, each kept in 'repeats'")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--gpu-gib", type=float, default=None,
+                   help="cap each run's GPU memory at this many GiB (the caching allocator's "
+                        "per_process_memory_fraction), as on a smaller GPU")
     p.add_argument("--out", type=Path, default=None,
                    help="results JSON (default: bench/results/<date>-stock-<model>-<job>.json)")
     args = p.parse_args()
@@ -210,6 +217,11 @@ def main() -> None:
     names = args.runs.split(",") if args.runs else list(RUNS[args.job])
     args.checkpoint = args.checkpoint or args.work / f"random-{args.model}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.gpu_gib:
+        import torch
+
+        fraction = args.gpu_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
+        env["PYTORCH_CUDA_ALLOC_CONF"] = f"per_process_memory_fraction:{fraction:.4f}"
     if not (args.work / "demo" / "alpaca_tiny.json").exists():
         subprocess.run([sys.executable, "-m", "offload_plugin.demo", "prepare",
                         "--output-dir", str(args.work / "demo")], check=True, env=env, cwd=REPO)

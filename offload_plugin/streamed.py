@@ -33,6 +33,7 @@ per-parameter optimizers would.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from contextlib import nullcontext
@@ -56,6 +57,11 @@ RING_SIZE = 3
 FLUSH_NUMEL = 1 << 22
 # Staging offsets are multiples of this many elements (the kernels' vectorized loads).
 ALIGN = 64
+# Inside a backward, the hooks wait once the gradients handed to the update stream and not
+# yet read by it exceed this many bytes: the update runs at the bus's pace, backward can run
+# ahead of it, and each gradient's memory is free only once its update has read it. Without
+# a bound all of them could wait at once (16 GB for an 8B model).
+IN_FLIGHT_BYTES = 1 << 30
 # Tests turn this on to run the same code with parameters on the CPU (no streams).
 _ON_CPU = False
 # Benchmarks switch this off to time the host update on the same machine.
@@ -108,6 +114,8 @@ class StagingRing:
         self.backward_task = -1  # the backward whose end flushes the queue and orders the compute stream
         self.queued: list = []  # _Jobs not yet on the GPU (steps taken inside a backward)
         self.queued_numel = 0
+        self.in_flight: collections.deque = collections.deque()  # (event after a flush's kernels, its gradients' bytes)
+        self.in_flight_bytes = 0
 
     def reserve(self, dtype: torch.dtype, numel: int) -> None:
         """Buffers of at least ``numel`` elements (grown by doubling, at most CHUNK_NUMEL:
@@ -363,6 +371,8 @@ def _flush_when_backward_ends(ring: StagingRing) -> None:
         _flush(ring, in_backward=True)
         if compute is not None:
             compute.wait_stream(ring.update)
+            ring.in_flight.clear()
+            ring.in_flight_bytes = 0
 
     torch.autograd.Variable._execution_engine.queue_callback(at_end)
 
@@ -379,13 +389,24 @@ def _flush(ring: StagingRing, in_backward: Optional[bool] = None) -> None:
     if in_backward is None:
         in_backward = torch._C._current_graph_task_id() != -1
     _run_jobs(ring, jobs)
-    if ring.is_async:
-        if in_backward:
-            for job in jobs:
-                for grad in job.grads:
-                    grad.record_stream(ring.update)
-        else:
-            torch.cuda.current_stream(ring.device).wait_stream(ring.update)
+    if not ring.is_async:
+        return
+    if not in_backward:
+        torch.cuda.current_stream(ring.device).wait_stream(ring.update)
+        ring.in_flight.clear()  # (the compute stream reuses the gradients' memory in order)
+        ring.in_flight_bytes = 0
+        return
+    nbytes = 0
+    for job in jobs:
+        for grad in job.grads:
+            grad.record_stream(ring.update)
+            nbytes += grad.numel() * grad.element_size()
+    ring.in_flight.append((record(ring.update), nbytes))
+    ring.in_flight_bytes += nbytes
+    while ring.in_flight_bytes > IN_FLIGHT_BYTES and len(ring.in_flight) > 1:
+        done, freed = ring.in_flight.popleft()
+        done.synchronize()
+        ring.in_flight_bytes -= freed
 
 
 @torch.no_grad()

@@ -147,3 +147,40 @@ def test_gpu_weights_changed_outside_are_what_the_next_step_updates():
             m[2].weight.mul_(0.5)
         train(m, o, 2, start=1)
     assert_same_params(ref_model, model, exact=True)
+
+
+def _peak_during_in_backward_steps(limit: int) -> int:
+    """Peak device bytes above the start over one backward under optimizer_in_bwd whose
+    updates wait behind a 100 ms GPU sleep on the update stream, with ``limit`` gradient
+    bytes allowed in flight."""
+    from torchtune import training
+
+    streamed.IN_FLIGHT_BYTES = limit
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)]).cuda().bfloat16()
+    optims = {p: CPUOffloadOptimizer([p], lr=1e-3) for p in model.parameters()}
+    training.register_optim_in_bwd_hooks(model, optims)
+    x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+    model(x).float().square().mean().backward()  # (first steps: state, ring, plans)
+    torch.cuda.synchronize()
+    ring = next(iter(optims.values()))._shared.ring
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with torch.cuda.stream(ring.update):
+        torch.cuda._sleep(200_000_000)
+    model(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - start
+
+
+def test_gpu_gradients_waiting_for_their_update_inside_backward_are_bounded(monkeypatch):
+    """Inside a backward the gradients handed to the update stream, and so kept, are at
+    most IN_FLIGHT_BYTES (plus the flush that crossed it): 16 gradients of 2 MiB behind a
+    stalled update stream, 4 MiB allowed, against all of them without the bound."""
+    monkeypatch.setattr(streamed, "IN_FLIGHT_BYTES", streamed.IN_FLIGHT_BYTES)
+    monkeypatch.setattr(streamed, "FLUSH_NUMEL", 1)  # (one gradient per flush)
+    unbounded = _peak_during_in_backward_steps(1 << 40)
+    bounded = _peak_during_in_backward_steps(4 << 20)
+    grad = 1024 * 1024 * 2
+    assert unbounded >= 14 * grad, unbounded
+    assert bounded <= unbounded - 8 * grad, (bounded, unbounded)
