@@ -150,7 +150,7 @@ def test_gpu_weights_changed_outside_are_what_the_next_step_updates():
 
 
 def _peak_during_in_backward_steps(limit: int) -> int:
-    """Peak device bytes above the start over one backward under optimizer_in_bwd whose
+    """Peak active device bytes above the start over one backward under optimizer_in_bwd whose
     updates wait behind a 100 ms GPU sleep on the update stream, with ``limit`` gradient
     bytes allowed in flight."""
     from torchtune import training
@@ -165,12 +165,14 @@ def _peak_during_in_backward_steps(limit: int) -> int:
     torch.cuda.synchronize()
     ring = next(iter(optims.values()))._shared.ring
     torch.cuda.reset_peak_memory_stats()
-    start = torch.cuda.memory_allocated()
+    # "active" bytes: a freed block that a stream still uses (record_stream) counts until
+    # that stream's work is done, where "allocated" bytes drop at once.
+    start = torch.cuda.memory_stats()["active_bytes.all.current"]
     with torch.cuda.stream(ring.update):
         torch.cuda._sleep(200_000_000)
     model(x).float().square().mean().backward()
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - start
+    return torch.cuda.memory_stats()["active_bytes.all.peak"] - start
 
 
 def test_gpu_gradients_waiting_for_their_update_inside_backward_are_bounded(monkeypatch):
