@@ -36,9 +36,11 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     """Full fine-tuning of a decoder on one device (CUDA or CPU).
 
     Features: bf16/fp32, gradient accumulation with loss normalized by token count,
-    gradient clipping, activation checkpointing/offloading, any LR scheduler, and
-    end-of-epoch checkpoints with optimizer and scheduler state for exact resume,
-    saved so that a kill mid-save keeps the previous one loadable.
+    gradient clipping, activation checkpointing/offloading, any LR scheduler,
+    ``optimizer_in_bwd`` (as torchtune's: one optimizer per parameter, stepped in its
+    gradient's hook, each gradient freed there), and end-of-epoch checkpoints with
+    optimizer and scheduler state for exact resume, saved so that a kill mid-save keeps
+    the previous one loadable.
     Scaling and clipping go through the optimizer when it is ``CPUOffloadOptimizer``
     (see ``offload_plugin.recipe_utils``).
 
@@ -46,7 +48,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         cfg (Mapping): the parsed config.
 
     Raises:
-        ValueError: for fp16, ``optimizer_in_bwd``, or ``gradient_accumulation_steps < 1``.
+        ValueError: for fp16, ``gradient_accumulation_steps < 1``, or ``optimizer_in_bwd``
+            with gradient accumulation, clipping or ``early_forward``.
         RuntimeError: for activation offloading without CUDA or without checkpointing.
     """
 
@@ -55,14 +58,19 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         self._dtype = training.get_dtype(cfg.dtype, device=self._device)
         if self._dtype == torch.float16:
             raise ValueError("fp16 is not supported (no loss scaling): set dtype=bf16 or dtype=fp32.")
-        if cfg.get("optimizer_in_bwd", False):
-            raise ValueError(
-                "optimizer_in_bwd is not supported by this recipe: set optimizer_in_bwd=False; "
-                "offload_plugin.CPUOffloadOptimizer with offload_gradients=True saves the gradient memory instead."
-            )
         self._grad_accum = cfg.gradient_accumulation_steps
         if self._grad_accum < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {self._grad_accum}.")
+        self._optimizer_in_bwd = cfg.get("optimizer_in_bwd", False)
+        if self._optimizer_in_bwd and (
+            self._grad_accum > 1 or cfg.get("clip_grad_norm") is not None or cfg.get("early_forward", False)
+        ):
+            raise ValueError(
+                "optimizer_in_bwd=True updates each parameter as soon as its gradient is made, so it "
+                "needs gradient_accumulation_steps=1, clip_grad_norm=null and early_forward=False; "
+                "set optimizer_in_bwd=False for those (optimizer.offload_gradients=True then keeps "
+                "the gradients off the GPU)."
+            )
         self._act_ckpt = cfg.get("enable_activation_checkpointing", False)
         self._act_offload = cfg.get("enable_activation_offloading", False)
         if self._act_offload and (self._device.type != "cuda" or not self._act_ckpt):
@@ -154,10 +162,21 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         return model
 
     def _setup_optimizer(self, cfg_optimizer: Mapping, opt_state_dict: Optional[Dict[str, Any]]):
-        optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
+        """The optimizer, or with ``optimizer_in_bwd`` torchtune's wrapper over one optimizer
+        per parameter, each stepped in that parameter's gradient hook (torchtune's helpers;
+        CPUOffloadOptimizer's instances share one set of streams and staging buffers)."""
+        if self._optimizer_in_bwd:
+            optim_dict = {p: config.instantiate(cfg_optimizer, [p]) for p in self._model.parameters()}
+            training.register_optim_in_bwd_hooks(model=self._model, optim_dict=optim_dict)
+            optimizer = training.create_optim_in_bwd_wrapper(model=self._model, optim_dict=optim_dict)
+            self._optimizers = list(optim_dict.values())
+        else:
+            optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
+            self._optimizers = [optimizer]
         if opt_state_dict is not None:
             optimizer.load_state_dict(opt_state_dict)
-        log.info(f"Optimizer {type(optimizer).__name__} is initialized.")
+        log.info(f"Optimizer {type(self._optimizers[0]).__name__} is initialized"
+                 + (", one per parameter, stepped in backward." if self._optimizer_in_bwd else "."))
         return optimizer
 
     def _setup_loss(self, cfg_loss: Mapping) -> torch.nn.Module:
@@ -171,12 +190,20 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
     def _setup_lr_scheduler(self, cfg_lr_scheduler: Optional[Mapping]):
         if cfg_lr_scheduler is None:
             return None
-        return config.instantiate(
+        scheduler = config.instantiate(
             cfg_lr_scheduler,
-            self._optimizer,
+            self._optimizers[0],
             num_training_steps=self.total_epochs * self._steps_per_epoch,
             last_epoch=self.global_step - 1,
         )
+        if self._optimizer_in_bwd:
+            # The wrapper's scheduler steps set every optimizer's lr to the first one's; so
+            # does a resumed scheduler's first lr here.
+            self._optimizer.set_lr_scheduler(scheduler)
+            for optimizer in self._optimizers[1:]:
+                for group in optimizer.param_groups:
+                    group["lr"] = self._optimizers[0].param_groups[0]["lr"]
+        return scheduler
 
     def _setup_profiler(self, cfg_profiler: Optional[Mapping]):
         if cfg_profiler is None or not cfg_profiler.get("enabled", False):
@@ -211,7 +238,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def save_checkpoint(self, epoch: int) -> None:
         """Save the model; before the last epoch also optimizer, scheduler and recipe state."""
-        recipe_utils.finish_step(self._optimizer)  # every weight updated on the device
+        for optimizer in self._optimizers:  # every weight updated on the device
+            recipe_utils.finish_step(optimizer)
         ckpt = {training.MODEL_KEY: self._model.state_dict()}
         intermediate = epoch + 1 < self.total_epochs
         if intermediate:
@@ -240,6 +268,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         return self._loss_fn(logits, labels)
 
     def _optimizer_step(self, num_tokens: torch.Tensor) -> Dict[str, float]:
+        if self._optimizer_in_bwd:  # (the hooks stepped during backward)
+            if self._lr_scheduler is not None:
+                self._lr_scheduler.step()
+            return {}
         # The loss was summed over tokens; normalize once for the whole accumulated step.
         recipe_utils.scale_grads(self._model, self._optimizer, 1 / num_tokens)
         metrics = {}
@@ -253,6 +285,12 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         if self._lr_scheduler is not None:
             self._lr_scheduler.step()
         return metrics
+
+    def _optimizer_metrics(self) -> Dict[str, float]:
+        """What the optimizers report about themselves, summed (one per parameter with
+        ``optimizer_in_bwd``)."""
+        each = [recipe_utils.optimizer_metrics(optimizer) for optimizer in self._optimizers]
+        return {key: sum(m[key] for m in each) for key in each[0]}
 
     def train(self) -> None:
         """Run the remaining epochs; checkpoint at the end of each."""
@@ -268,14 +306,19 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     # the GPU (overlap_last_backward reads it before the last backward).
                     batch_tokens = (batch["labels"] != self._loss_fn.ignore_index).sum()
                     utils.batch_to_device(batch, self._device)
-                    if (idx + 1) % self._grad_accum == 0:
+                    if (idx + 1) % self._grad_accum == 0 and not self._optimizer_in_bwd:
                         # Last micro-batch: offloaded updates may start during its backward.
                         recipe_utils.overlap_last_backward(
                             self._optimizer, num_tokens + batch_tokens, self._clip_grad_norm,
                             early_forward=self._early_forward,
                         )
-                    loss = self._loss_step(batch) * batch_tokens
-                    loss.backward()
+                    loss = self._loss_step(batch)
+                    if self._optimizer_in_bwd:  # (no accumulation: the mean is the step's loss)
+                        loss.backward()
+                        loss = loss.detach() * batch_tokens
+                    else:
+                        loss = loss * batch_tokens
+                        loss.backward()
                     running_loss, num_tokens = running_loss + loss.detach(), num_tokens + batch_tokens
                     prof.step()
                     if (idx + 1) % self._grad_accum != 0:
@@ -289,10 +332,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                     if self.global_step % self._log_every_n_steps == 0:
                         log_dict = {
                             "loss": loss_to_log,
-                            "lr": training.get_lr(self._optimizer),
+                            "lr": training.get_lr(self._optimizers[0]),
                             "tokens_per_second_per_gpu": num_tokens.item() / (time.perf_counter() - t0),
                             **step_metrics,
-                            **recipe_utils.optimizer_metrics(self._optimizer),
+                            **self._optimizer_metrics(),
                         }
                         if self._log_peak_memory:
                             log_dict.update(training.get_memory_stats(device=self._device))

@@ -202,6 +202,38 @@ def test_torchtune_stock_full_recipe_matches_torch_adamw(workdir, tmp_path, in_b
         assert torch.equal(weights["ours"][key], value), key
 
 
+def test_our_full_recipe_with_optimizer_in_bwd_matches_torch_adamw_and_resumes(workdir, tmp_path):
+    """Our full recipe with optimizer_in_bwd (one optimizer per parameter, stepped in its
+    gradient hook, as torchtune's): the same losses and weights as torch's AdamW stepped
+    the same way in the same recipe, with the config's scheduler; resumed after epoch 1,
+    the same losses and lrs as straight through."""
+    recipe = f"offload_plugin/recipes/{RECIPE['full']}"
+    common = ["optimizer_in_bwd=True", "clip_grad_norm=null", "early_forward=False",
+              "gradient_accumulation_steps=1", "optimizer.fused=True", "epochs=2"]
+    torch_adamw = ["optimizer._component_=torch.optim.AdamW", "~optimizer.optimizer_cls",
+                   "~optimizer.offload_gradients", "~optimizer.delayed_update"]
+    _tune_run(recipe, "full", workdir, tmp_path / "ours", *common)
+    _tune_run(recipe, "full", workdir, tmp_path / "torch", *common, *torch_adamw)
+    losses = _losses(tmp_path / "ours")
+    assert losses == _losses(tmp_path / "torch")
+    assert len(losses) == 2 * STEPS
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5, losses
+    weights = {out: torch.load(next((tmp_path / out).glob("epoch_1/*.bin")), weights_only=True)
+               for out in ("ours", "torch")}
+    for key, value in weights["torch"].items():
+        assert torch.equal(weights["ours"][key], value), key
+
+    resumed = tmp_path / "resumed"  # the disk state right after epoch 1
+    shutil.copytree(tmp_path / "ours", resumed, ignore=shutil.ignore_patterns("epoch_1", "logs"))
+    _tune_run(recipe, "full", workdir, resumed, *common, "resume_from_checkpoint=True",
+              "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]")
+    expected = {s: m for s, m in read_log(tmp_path / "ours").items() if s > STEPS}
+    logged = read_log(resumed)
+    assert sorted(logged) == sorted(expected)
+    for step in expected:
+        assert (logged[step]["loss"], logged[step]["lr"]) == (expected[step]["loss"], expected[step]["lr"]), step
+
+
 def test_copied_recipe_runs_from_another_directory(workdir, tmp_path):
     """A recipe copied under another name into an empty directory runs from there unchanged."""
     shutil.copy(REPO / "recipes" / "full_finetune_single_device.py", tmp_path / "my_offload_recipe.py")
