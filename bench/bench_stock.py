@@ -67,6 +67,9 @@ RUNS = {
                                               "optimizer.accumulate_on_device=False"]),
         # Gradients to the host during backward, the host update overlapping the next forward.
         "ours_recipe_host": ("ours", ["optimizer.offload_gradients=True", "early_forward=True"]),
+        # torchtune's optimizer_in_bwd in our recipe: the streamed update as each gradient lands.
+        "ours_recipe_in_bwd": ("ours", ["optimizer_in_bwd=True", "optimizer.offload_gradients=False",
+                                        "early_forward=False", "optimizer.accumulate_on_device=False"]),
         # fp32 master weights (opt-in): 16 bytes per parameter on the host instead of 8.
         "ours_stock_masters": ("stock", [OURS, "optimizer.master_weights=True"]),
         "ours_recipe_masters": ("ours", ["optimizer.master_weights=True"]),
