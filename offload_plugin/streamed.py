@@ -155,6 +155,23 @@ class StagingRing:
         """The copies out of buffer ``index`` are queued on the store stream."""
         self._pools[dtype][1][index] = record(self.store)
 
+    def hold(self, nbytes: int) -> None:
+        """Gradients of ``nbytes`` were just handed to the update stream inside a backward:
+        wait for the oldest until at most IN_FLIGHT_BYTES remain (see there)."""
+        self.in_flight.append((record(self.update), nbytes))
+        self.in_flight_bytes += nbytes
+        while self.in_flight_bytes > IN_FLIGHT_BYTES and len(self.in_flight) > 1:
+            done, freed = self.in_flight.popleft()
+            done.synchronize()
+            self.in_flight_bytes -= freed
+
+    def order_after_updates(self, compute) -> None:
+        """``compute`` (the stream the weights are used on next) waits for every update;
+        the gradients' memory is then reused in its order, none held any more."""
+        compute.wait_stream(self.update)
+        self.in_flight.clear()
+        self.in_flight_bytes = 0
+
 
 def record(stream) -> object:
     event = torch.cuda.Event()
@@ -370,9 +387,7 @@ def _flush_when_backward_ends(ring: StagingRing) -> None:
     def at_end() -> None:
         _flush(ring, in_backward=True)
         if compute is not None:
-            compute.wait_stream(ring.update)
-            ring.in_flight.clear()
-            ring.in_flight_bytes = 0
+            ring.order_after_updates(compute)
 
     torch.autograd.Variable._execution_engine.queue_callback(at_end)
 
@@ -392,21 +407,14 @@ def _flush(ring: StagingRing, in_backward: Optional[bool] = None) -> None:
     if not ring.is_async:
         return
     if not in_backward:
-        torch.cuda.current_stream(ring.device).wait_stream(ring.update)
-        ring.in_flight.clear()  # (the compute stream reuses the gradients' memory in order)
-        ring.in_flight_bytes = 0
+        ring.order_after_updates(torch.cuda.current_stream(ring.device))
         return
     nbytes = 0
     for job in jobs:
         for grad in job.grads:
             grad.record_stream(ring.update)
             nbytes += grad.numel() * grad.element_size()
-    ring.in_flight.append((record(ring.update), nbytes))
-    ring.in_flight_bytes += nbytes
-    while ring.in_flight_bytes > IN_FLIGHT_BYTES and len(ring.in_flight) > 1:
-        done, freed = ring.in_flight.popleft()
-        done.synchronize()
-        ring.in_flight_bytes -= freed
+    ring.hold(nbytes)
 
 
 @torch.no_grad()
@@ -447,28 +455,28 @@ def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
 def _verdicts(jobs: list[_Job]) -> tuple[list, torch.Tensor]:
     """Each job's verdict (a 0-d float tensor on the device: 1.0 if any of its gradients
     holds an inf or NaN), and all of them as one vector, without waiting."""
-    flat = [(j, g) for j, job in enumerate(jobs) for g in job.grads if g.numel()]
+    flat, spans = [], []  # the non-empty gradients in job order; each job's [start, end) in flat
+    for job in jobs:
+        start = len(flat)
+        flat += [g for g in job.grads if g.numel()]
+        spans.append((start, len(flat)))
     device = jobs[0].grads[0].device
     if not flat:
         flags = torch.zeros(len(jobs), dtype=torch.float32, device=device)
         return list(flags.unbind()), flags
     by_dtype: dict = {}
-    for k, (_, g) in enumerate(flat):
+    for k, g in enumerate(flat):
         by_dtype.setdefault(g.dtype, []).append(k)
     if len(by_dtype) == 1:
-        per_grad = _nonfinite_each([g for _, g in flat])
+        per_grad = _nonfinite_each(flat)
     else:
         per_grad = torch.empty(len(flat), dtype=torch.float32, device=device)
         for positions in by_dtype.values():
-            per_grad[positions] = _nonfinite_each([flat[k][1] for k in positions])
-    owners = [j for j, _ in flat]
-    if owners == list(range(len(jobs))):  # one non-empty gradient each (optimizer_in_bwd)
+            per_grad[positions] = _nonfinite_each([flat[k] for k in positions])
+    if all(b - a == 1 for a, b in spans):  # one non-empty gradient each (optimizer_in_bwd)
         return list(per_grad.unbind()), per_grad
-    each = []
-    for j in range(len(jobs)):
-        mine = [k for k, owner in enumerate(owners) if owner == j]
-        each.append(per_grad[mine[0]:mine[-1] + 1].amax() if mine
-                    else torch.zeros((), dtype=torch.float32, device=device))
+    each = [per_grad[a:b].amax() if b > a else torch.zeros((), dtype=torch.float32, device=device)
+            for a, b in spans]
     return each, torch.stack(each)
 
 
