@@ -62,12 +62,15 @@ RUNS = {
         "ours_stock_no_in_bwd": ("stock", [OURS, "optimizer_in_bwd=False"]),
         "ours_recipe": ("ours", []),
         # Gradients kept on the GPU until step(): the streamed update (state through the GPU),
-        # what the 1B and 3B configs ship since 2026-12-02; the 8B config ships the next one.
-        "ours_recipe_grads_on_gpu": ("ours", ["optimizer.offload_gradients=False", "early_forward=False",
+        # what the 1B and 3B configs ship since 2026-12-02.
+        "ours_recipe_grads_on_gpu": ("ours", ["optimizer_in_bwd=False", "optimizer.offload_gradients=False",
+                                              "early_forward=False",
                                               "optimizer.accumulate_on_device=False"]),
         # Gradients to the host during backward, the host update overlapping the next forward.
-        "ours_recipe_host": ("ours", ["optimizer.offload_gradients=True", "early_forward=True"]),
-        # torchtune's optimizer_in_bwd in our recipe: the streamed update as each gradient lands.
+        "ours_recipe_host": ("ours", ["optimizer_in_bwd=False", "optimizer.offload_gradients=True",
+                                      "early_forward=True"]),
+        # torchtune's optimizer_in_bwd in our recipe: the streamed update as each gradient lands
+        # (what the 8B config ships since 2026-12-02, session 20).
         "ours_recipe_in_bwd": ("ours", ["optimizer_in_bwd=True", "optimizer.offload_gradients=False",
                                         "early_forward=False", "optimizer.accumulate_on_device=False"]),
         # fp32 master weights (opt-in): 16 bytes per parameter on the host instead of 8.
@@ -75,7 +78,7 @@ RUNS = {
         "ours_recipe_masters": ("ours", ["optimizer.master_weights=True"]),
         # Gradient accumulation and clipping (the stock recipe then needs optimizer_in_bwd off).
         "ours_stock_accum_clip": ("stock", [OURS, "optimizer_in_bwd=False", *ACCUM_CLIP]),
-        "ours_recipe_accum_clip": ("ours", ACCUM_CLIP),
+        "ours_recipe_accum_clip": ("ours", ["optimizer_in_bwd=False", *ACCUM_CLIP]),
     },
     "qlora": {
         "stock_as_shipped": ("stock", []),

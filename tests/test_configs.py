@@ -62,7 +62,12 @@ def test_config_uses_offload_optimizer(path):
     """The optimizer is offload_plugin.CPUOffloadOptimizer and builds from the config's own arguments."""
     cfg = OmegaConf.load(path)
     assert cfg.optimizer._component_ == "offload_plugin.CPUOffloadOptimizer"
-    assert cfg.get("optimizer_in_bwd", False) is False
+    if cfg.get("optimizer_in_bwd", False):
+        # Only our full recipe takes it, and only with what it allows (it refuses the rest).
+        assert "full" in path.name
+        assert cfg.optimizer.get("offload_gradients", False) is False
+        assert cfg.get("early_forward", False) is False
+        assert cfg.get("gradient_accumulation_steps", 1) == 1 and cfg.get("clip_grad_norm") is None
     optimizer = config.instantiate(cfg.optimizer, [torch.nn.Parameter(torch.zeros(4))])
     assert isinstance(optimizer, torch.optim.Optimizer)
 
