@@ -19,6 +19,9 @@
 #                                   # accumulation + clipping (about 7 minutes)
 #   bash bench/run_h200.sh inbwd8b  # 8B full under a 24 GiB cap in our recipe and the stock one (a 16 GB
 #                                   # random checkpoint is written first; about 9 minutes)
+#   bash bench/run_h200.sh qlora1b  # torchtune's stock 1B QLoRA config against the drop-in: four alternating
+#                                   # pairs, then a profile of each (since the streamed default the ratio of
+#                                   # means was 0.95x in three sessions, 0.98x with the host update; about 8 minutes)
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
 #                                   # GPU AdamW, FSDP2's CPUOffloadPolicy, ours (each rank its shard);
 #                                   # about 4-6 minutes, at most 7 (--time-budget)
@@ -82,6 +85,10 @@ for stage in "$@"; do
     inbwd8b)
         python3 bench/bench_stock.py --job full --model 8b --gpu-gib 24 --steps 5 --warmup 2 --timeout 200 \
             --runs ours_recipe_in_bwd,ours_stock,torchao_offload_grads | tee "$OUT/stock_8b_full_24gib.txt" ;;
+    qlora1b)
+        python3 bench/bench_stock.py --job qlora --model 1b --runs stock_as_shipped,ours_stock --repeats 4 \
+            --steps 20 --warmup 5 --timeout 90 | tee "$OUT/stock_1b_qlora.txt"
+        python3 bench/stock_profile.py --job qlora --runs stock_as_shipped,ours_stock | tee "$OUT/stock_1b_qlora_profile.txt" ;;
     fsdp2)
         # Global 16384 tokens = 2 ranks x 2 micro-batches x 2 sequences of 2048. A child that
         # hangs or crawls is stopped at 150 s and recorded; the stage stops starting new ones
