@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Dict, List, Union
+from typing import Any, Dict, List, Union
 
 import torch
 from torch import nn
@@ -33,6 +33,7 @@ __all__ = [
     "scale_grads",
     "clip_grad_norm",
     "optimizer_metrics",
+    "optimizer_state_for",
     "save_checkpoint_atomically",
     "recover_checkpoints",
 ]
@@ -126,6 +127,120 @@ def optimizer_metrics(optimizer: torch.optim.Optimizer) -> Dict[str, float]:
     if _is_offload(optimizer):
         return {"optimizer_host_memory_gib": optimizer.host_memory_bytes() / 1024**3}
     return {}
+
+
+def optimizer_state_for(
+    model: nn.Module, opt_state_dict: Dict[str, Any], optimizer_in_bwd: bool
+) -> Dict[str, Any]:
+    """A recipe checkpoint's optimizer state in the layout this run's optimizer loads, so a
+    run can resume with ``optimizer_in_bwd`` switched (the state of each parameter is the
+    same either way; torchtune refuses the other layout with "unexpected param state").
+
+    The layouts: torch's ``{"state": {i: ...}, "param_groups": [...]}`` over the trainable
+    parameters in model order (one optimizer), and torchtune's ``optimizer_in_bwd`` wrapper's
+    ``{parameter name: that layout for one parameter}``.
+
+    Args:
+        model (nn.Module): the model being trained.
+        opt_state_dict (Dict[str, Any]): the optimizer state a recipe checkpoint holds.
+        optimizer_in_bwd (bool): whether this run builds one optimizer per parameter.
+
+    Returns:
+        Dict[str, Any]: ``opt_state_dict`` itself if it has the wanted layout, else a new
+        dict of the same tensors in it.
+
+    Raises:
+        ValueError: if the state does not cover exactly the model's trainable parameters,
+            or (into one optimizer) the parameters' hyperparameters differ.
+    """
+    if not isinstance(opt_state_dict, dict):
+        return opt_state_dict  # (the optimizer's load_state_dict says what is wrong)
+    per_parameter = set(opt_state_dict) != {"state", "param_groups"}
+    if per_parameter == optimizer_in_bwd:
+        return opt_state_dict  # (the optimizer's own load_state_dict checks the rest)
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    try:
+        if optimizer_in_bwd:
+            return _split_by_parameter(opt_state_dict, names)
+        return _join_parameters(opt_state_dict, names)
+    except (KeyError, TypeError, AttributeError, IndexError) as err:
+        raise ValueError(
+            f"The checkpoint's optimizer state is malformed ({type(err).__name__}: {err}); "
+            "resume from another checkpoint or set resume_from_checkpoint=False."
+        ) from err
+
+
+def _split_by_parameter(flat: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+    """torch's layout over ``names`` to one single-parameter state dict per name."""
+    indices = [index for group in flat["param_groups"] for index in group["params"]]
+    if len(indices) != len(names):
+        raise ValueError(
+            f"The checkpoint's optimizer state covers {len(indices)} parameters and the model has "
+            f"{len(names)} trainable ones: it is from another model; resume from a checkpoint of this one."
+        )
+    per_name, position = {}, 0
+    for group in flat["param_groups"]:
+        hyperparameters = {key: value for key, value in group.items() if key != "params"}
+        for index in group["params"]:
+            state = flat["state"].get(index)
+            per_name[names[position]] = {
+                "state": {} if state is None else {0: state},
+                "param_groups": [{**hyperparameters, "params": [0]}],
+            }
+            position += 1
+    return per_name
+
+
+def _join_parameters(per_name: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
+    """One single-parameter state dict per name to torch's layout over ``names`` (one group)."""
+    if set(per_name) != set(names):
+        strays = sorted(set(per_name) - set(names))[:3]
+        missing = sorted(set(names) - set(per_name))[:3]
+        raise ValueError(
+            "The checkpoint's optimizer state is for other parameters than the model's trainable "
+            f"ones (not in the model: {strays}; missing: {missing}); resume from a checkpoint of this model."
+        )
+    state, hyperparameters, initial_lr = {}, None, None
+    for index, name in enumerate(names):
+        groups = per_name[name]["param_groups"]
+        if len(groups) != 1:
+            raise ValueError(
+                f"The checkpoint's optimizer for {name} has {len(groups)} parameter groups where "
+                "torchtune's optimizer_in_bwd saves one; resume from a checkpoint of this recipe."
+            )
+        # initial_lr is the LR scheduler's, which torchtune builds on the first optimizer only.
+        mine = {key: value for key, value in groups[0].items() if key not in ("params", "initial_lr")}
+        if "initial_lr" in groups[0] and initial_lr is None:
+            initial_lr = groups[0]["initial_lr"]
+        if hyperparameters is None:
+            hyperparameters = mine
+        elif not _same_values(mine, hyperparameters):
+            raise ValueError(
+                f"The checkpoint's optimizer for {name} has other hyperparameters than for {names[0]}; "
+                "one optimizer needs them equal: resume with optimizer_in_bwd=True."
+            )
+        entries = list(per_name[name]["state"].values())
+        if len(entries) > 1:
+            raise ValueError(
+                f"The checkpoint's optimizer for {name} holds {len(entries)} states for one parameter; "
+                "resume from a checkpoint of this recipe."
+            )
+        if entries:
+            state[index] = entries[0]
+    group = {**(hyperparameters or {}), "params": list(range(len(names)))}
+    if initial_lr is not None:
+        group["initial_lr"] = initial_lr
+    return {"state": state, "param_groups": [group]}
+
+
+def _same_values(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+    if a.keys() != b.keys():
+        return False
+    return all(
+        torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) and isinstance(b[key], torch.Tensor)
+        else a[key] == b[key]
+        for key in a
+    )
 
 
 # A save is staged in ``output_dir/.epoch_N.partial`` and renamed to ``.epoch_N.complete``

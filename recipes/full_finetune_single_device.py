@@ -173,8 +173,10 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         else:
             optimizer = config.instantiate(cfg_optimizer, self._model.parameters())
             self._optimizers = [optimizer]
-        if opt_state_dict is not None:
-            optimizer.load_state_dict(opt_state_dict)
+        if opt_state_dict is not None:  # (saved with optimizer_in_bwd either way)
+            optimizer.load_state_dict(
+                recipe_utils.optimizer_state_for(self._model, opt_state_dict, self._optimizer_in_bwd)
+            )
         log.info(f"Optimizer {type(self._optimizers[0]).__name__} is initialized"
                  + (", one per parameter, stepped in backward." if self._optimizer_in_bwd else "."))
         return optimizer

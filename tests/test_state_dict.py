@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import offload_plugin
+
 from reference_twin import DEVICES, assert_same_params, make_model, offload, reference, train, trainable, twins
 
 
@@ -162,3 +164,74 @@ def test_a_load_into_a_trained_optimizer_continues_from_the_loaded_state():
     for index, entry in ref.state_dict()["state"].items():
         for key, value in entry.items():
             assert torch.equal(opt.state_dict()["state"][index][key], value), (index, key)
+
+
+def _layers():
+    """Two layers of one shape (so a state given to the wrong one of them would show) and others."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 5), torch.nn.Linear(5, 3))
+
+
+def _step_each(optimizers, model, seed):
+    torch.manual_seed(seed)
+    model(torch.randn(4, 6)).square().sum().backward()
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("make", [
+    lambda params: offload_plugin.CPUOffloadOptimizer(params, lr=1e-2, weight_decay=0.1),
+    lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+], ids=["ours", "torch_adamw"])
+def test_recipe_state_converts_between_one_optimizer_and_optimizer_in_bwd(make):
+    """optimizer_state_for turns one optimizer's state dict into torchtune's optimizer_in_bwd
+    layout (one optimizer per parameter name) and back: training continued from either
+    conversion gives the weights of the optimizer that saved, bit for bit."""
+    from torchtune import training
+
+    from offload_plugin.recipe_utils import optimizer_state_for
+
+    model = _layers()
+    one = make(model.parameters())
+    torch.optim.lr_scheduler.LambdaLR(one, lambda step: 0.5)  # (adds initial_lr, as the recipes' schedulers)
+    for seed in range(3):
+        _step_each([one], model, seed)
+    saved = copy.deepcopy(one.state_dict())  # (as from a file: torch's shares its live tensors)
+
+    split_model = copy.deepcopy(model)
+    per_param = {p: make([p]) for p in split_model.parameters()}
+    wrapper = training.create_optim_in_bwd_wrapper(model=split_model, optim_dict=per_param)
+    wrapper.load_state_dict(optimizer_state_for(split_model, saved, optimizer_in_bwd=True))
+    assert optimizer_state_for(split_model, saved, optimizer_in_bwd=False) is saved
+
+    joined_model = copy.deepcopy(model)
+    joined = make(joined_model.parameters())
+    joined.load_state_dict(optimizer_state_for(joined_model, copy.deepcopy(wrapper.state_dict()), optimizer_in_bwd=False))
+    for seed in range(3, 6):
+        _step_each([one], model, seed)
+        _step_each(per_param.values(), split_model, seed)
+        _step_each([joined], joined_model, seed)
+    for name, param in model.named_parameters():
+        assert torch.equal(dict(split_model.named_parameters())[name], param), name
+        assert torch.equal(dict(joined_model.named_parameters())[name], param), name
+
+
+def test_recipe_state_of_another_model_is_refused_with_a_message():
+    from offload_plugin.recipe_utils import optimizer_state_for
+
+    model = _layers()
+    one = offload_plugin.CPUOffloadOptimizer(model.parameters(), lr=1e-2)
+    _step_each([one], model, 0)
+    saved = one.state_dict()
+    smaller = torch.nn.Sequential(torch.nn.Linear(6, 5))
+    with pytest.raises(ValueError, match="covers 8 parameters and the model has 2"):
+        optimizer_state_for(smaller, saved, optimizer_in_bwd=True)
+    per_name = optimizer_state_for(model, saved, optimizer_in_bwd=True)
+    with pytest.raises(ValueError, match=r"missing: \['0.weight'\]"):
+        optimizer_state_for(model, {k: v for k, v in per_name.items() if k != "0.weight"}, optimizer_in_bwd=False)
+    per_name["1.bias"]["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(ValueError, match="1.bias has other hyperparameters"):
+        optimizer_state_for(model, per_name, optimizer_in_bwd=False)
+    with pytest.raises(ValueError, match="malformed"):
+        optimizer_state_for(model, {name: [] for name in per_name}, optimizer_in_bwd=False)
