@@ -8,6 +8,8 @@ optimizer state allocated at the first step), and so is what this process may st
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -15,7 +17,8 @@ import torch
 
 from offload_plugin.host_buffers import master_dtype_for
 
-__all__ = ["HostMemoryError", "state_tensors_per_param", "bytes_needed", "available_bytes", "check"]
+__all__ = ["HostMemoryError", "state_tensors_per_param", "bytes_needed", "available_bytes", "check",
+           "promise", "settle"]
 
 GIB = 2**30
 
@@ -87,11 +90,39 @@ def available_bytes() -> tuple[Optional[int], str]:
     return min(limits)
 
 
-def check(needed: int, num_params: int, master_weights: bool) -> None:
-    """Raise HostMemoryError if ``needed`` bytes exceed what the process may use."""
+# Host bytes that optimizers of this process were checked for but have not touched yet
+# (optimizer state is zero-filled at the first step, so MemAvailable does not show it
+# before). torchtune's optimizer_in_bwd builds one optimizer per parameter, each checking
+# its own need: each check counts what the others still will take.
+_promised: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+
+
+def promise(owner: object, nbytes: int) -> None:
+    """``owner`` will allocate ``nbytes`` more at its first step (see check)."""
+    if nbytes:
+        _promised[owner] = _promised.get(owner, 0) + nbytes
+
+
+def settle(owner: object) -> None:
+    """``owner`` has stepped or loaded its state: what it promised is allocated now."""
+    if _promised:  # (every step calls this: nothing to do after the first)
+        _promised.pop(owner, None)
+
+
+def check(needed: int, num_params: int, master_weights: bool, owner: Optional[object] = None) -> None:
+    """Raise HostMemoryError if ``needed`` bytes, and what other optimizers of this process
+    will still allocate, exceed what the process may use."""
     free, source = available_bytes()
-    if free is None or needed <= free:
+    others = [n for o, n in list(_promised.items()) if o is not owner]
+    if free is not None and needed + sum(others) > free and others:
+        gc.collect()  # (a dropped optimizer in a reference cycle would still hold its promise)
+        others = [n for o, n in list(_promised.items()) if o is not owner]
+    if free is None or needed + sum(others) <= free:
         return
+    if others:
+        source += (f", less {sum(others) / GIB:.1f} GiB that {len(others)} other optimizer(s) of this "
+                   "process (torchtune's optimizer_in_bwd builds one per parameter) allocate at their first step")
+        free -= sum(others)
     options = [
         "a smaller model, or LoRA/QLoRA instead of full fine-tuning",
         "more host RAM (or a higher container memory limit)",

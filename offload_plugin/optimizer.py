@@ -406,7 +406,7 @@ class CPUOffloadOptimizer(Optimizer):
             host_memory.check(
                 host_memory.bytes_needed(shards, self.master_weights, state, spares,
                                          host_copies=not streaming),
-                sum(p.numel() for p in shards), self.master_weights,
+                sum(p.numel() for p in shards), self.master_weights, owner=self,
             )
         if not streaming:
             self._stop_streaming()
@@ -425,6 +425,11 @@ class CPUOffloadOptimizer(Optimizer):
         if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
             # (the fused path creates Adam's state itself)
             allocate_moments(slots, pin=self._streamed is not None and self._arena.pin)
+        if params and self.check_host_memory and not (self._streamed is not None and self._arena.pin):
+            # (page-locked moments are resident now; any other state is made at the first step)
+            host_memory.promise(self, host_memory.bytes_needed(
+                shards, self.master_weights, host_memory.state_tensors_per_param(self.optimizer_cls, group),
+                host_copies=False))
         shard_of = getattr(self._host_optimizer, "shard_of", None)  # (CompactAdamW lays out shards' state)
         for slot in slots:
             slot.on_replaced = getattr(self._host_optimizer, "weight_replaced", None)
@@ -743,6 +748,7 @@ class CPUOffloadOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         schedules.run_step(self)
+        host_memory.settle(self)  # (its state exists now)
         return loss
 
     def finish_step(self) -> None:
@@ -845,6 +851,7 @@ class CPUOffloadOptimizer(Optimizer):
         # Checked and converted into new tensors; nothing of this optimizer changed yet.
         plan = checkpoint.prepare_load(self, state_dict, torchao_minimal_size, allow_nonfinite)
         checkpoint.apply_state(self, plan)
+        host_memory.settle(self)  # (the loaded state is allocated)
         if self._host_optimizer is not None:
             forget_batches(self._host_optimizer)
         if self._streamed is not None:

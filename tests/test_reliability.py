@@ -344,6 +344,29 @@ def test_host_memory_preflight_refuses_before_allocating(monkeypatch):
     CPUOffloadOptimizer(model.parameters(), check_host_memory=False)  # the documented bypass
 
 
+def test_host_memory_preflight_counts_what_the_other_optimizers_will_allocate(monkeypatch):
+    """torchtune's optimizer_in_bwd builds one optimizer per parameter, each making its state
+    at its first step: each preflight counts the state the others built before it will
+    allocate, so the optimizer that would not fit is refused at construction (not killed
+    by the OOM killer at the first step); once they have stepped, nothing is counted twice."""
+    from offload_plugin import HostMemoryError, host_memory
+
+    layers = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=False) for _ in range(4))).to(torch.bfloat16)
+    params = list(layers.parameters())
+    state = host_memory.state_tensors_per_param(torch.optim.AdamW, {})
+    need = host_memory.bytes_needed(params[:1], True, state)  # each alone, all alike
+    later = host_memory.bytes_needed(params[:1], True, state, host_copies=False)  # its state
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: (need + 2 * later, "the cgroup limit in test"))
+    CPUOffloadOptimizer([params[0]], master_weights=True)  # dropped at once: promises nothing any more
+    built = [CPUOffloadOptimizer([p], master_weights=True) for p in params[:3]]
+    with pytest.raises(HostMemoryError, match=r"3 other optimizer\(s\) of this process"):
+        CPUOffloadOptimizer([params[3]], master_weights=True)
+    layers(torch.randn(2, 16, dtype=torch.bfloat16)).sum().backward()
+    for optimizer in built:
+        optimizer.step()
+    CPUOffloadOptimizer([params[3]], master_weights=True)  # their state is allocated now
+
+
 def test_available_memory_reads_meminfo_and_cgroup():
     """The limit comes from this machine's MemAvailable or cgroup, and is plausible."""
     from offload_plugin import host_memory
