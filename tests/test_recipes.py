@@ -202,6 +202,25 @@ def test_torchtune_stock_full_recipe_matches_torch_adamw(workdir, tmp_path, in_b
         assert torch.equal(weights["ours"][key], value), key
 
 
+def test_torchtune_stock_full_recipe_with_optimizer_in_bwd_resumes_exactly(workdir, tmp_path):
+    """torchtune's own full recipe under optimizer_in_bwd (its wrapper saves one state dict per
+    parameter name) with only _component_ changed, resumed after epoch 1: the same losses
+    and lrs as straight through."""
+    common = ["clip_grad_norm=null", "optimizer_in_bwd=True", "optimizer.fused=True", "epochs=2",
+              "optimizer._component_=offload_plugin.CPUOffloadOptimizer"]
+    straight = tmp_path / "straight"
+    _tune_run("full_finetune_single_device", "full", workdir, straight, *common)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(straight, resumed, ignore=shutil.ignore_patterns("epoch_1", "logs"))
+    _tune_run("full_finetune_single_device", "full", workdir, resumed, *common, "resume_from_checkpoint=True",
+              "checkpointer.checkpoint_files=[epoch_0/model-00001-of-00001.bin]")
+    expected = {s: m for s, m in read_log(straight).items() if s > STEPS}
+    logged = read_log(resumed)
+    assert sorted(logged) == sorted(expected) and len(expected) == STEPS
+    for step in expected:
+        assert (logged[step]["loss"], logged[step]["lr"]) == (expected[step]["loss"], expected[step]["lr"]), step
+
+
 def test_our_full_recipe_with_optimizer_in_bwd_matches_torch_adamw_and_resumes(workdir, tmp_path):
     """Our full recipe with optimizer_in_bwd (one optimizer per parameter, stepped in its
     gradient hook, as torchtune's): the same losses and weights as torch's AdamW stepped
