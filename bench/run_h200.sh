@@ -22,6 +22,8 @@
 #   bash bench/run_h200.sh qlora1b  # torchtune's stock 1B QLoRA config against the drop-in: four alternating
 #                                   # pairs, then a profile of each (since the streamed default the ratio of
 #                                   # means was 0.95x in three sessions, 0.98x with the host update; about 8 minutes)
+#   bash bench/run_h200.sh 8bstock  # torchtune's stock 8B full config, no GPU cap: as shipped (PagedAdamW8bit),
+#                                   # torchao (gradients on the GPU), the drop-in, our 8B config (about 6 minutes)
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
 #                                   # GPU AdamW, FSDP2's CPUOffloadPolicy, ours (each rank its shard);
 #                                   # about 4-6 minutes, at most 7 (--time-budget)
@@ -89,6 +91,9 @@ for stage in "$@"; do
         python3 bench/bench_stock.py --job qlora --model 1b --runs stock_as_shipped,ours_stock --repeats 4 \
             --steps 20 --warmup 5 --timeout 90 | tee "$OUT/stock_1b_qlora.txt"
         python3 bench/stock_profile.py --job qlora --runs stock_as_shipped,ours_stock | tee "$OUT/stock_1b_qlora_profile.txt" ;;
+    8bstock)
+        python3 bench/bench_stock.py --job full --model 8b --steps 5 --warmup 2 --timeout 150 \
+            --runs stock_as_shipped,torchao,ours_stock,ours_recipe | tee "$OUT/stock_8b_full.txt" ;;
     fsdp2)
         # Global 16384 tokens = 2 ranks x 2 micro-batches x 2 sequences of 2048. A child that
         # hangs or crawls is stopped at 150 s and recorded; the stage stops starting new ones
