@@ -20,6 +20,7 @@ same batches (see ``summarize``).
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -178,14 +179,14 @@ def summarize(results: dict, base_name: str, warmup: int) -> dict:
     weighs less than in a ratio of means."""
     base = results.get(base_name, {}).get("repeats", [])
     for r in results.values():
-        done = [x for x in r["repeats"] if "error" not in x]
+        done = [x for x in r["repeats"] if "error" not in x and x.get("tokens_per_s") is not None]
         if not done:
-            r["error"] = r["repeats"][0]["error"]
+            r["error"] = r["repeats"][0].get("error", "no step after --warmup")
             continue
         r.pop("error", None)
         r["tokens_per_s"] = sum(x["tokens_per_s"] for x in done) / len(done)
         for key in ("peak_gpu_gib", "host_peak_rss_gib"):
-            r[key] = max(x[key] for x in done)
+            r[key] = max((x[key] for x in done if x[key] is not None), default=float("nan"))
         pairs = [(mine, theirs) for x, b in zip(r["repeats"], base) if "error" not in x and "error" not in b
                  for mine, theirs in list(zip(x["step_tokens_per_s"], b["step_tokens_per_s"]))[warmup:]]
         r["paired_ratio"] = sum(m / t for m, t in pairs) / len(pairs) if pairs else None
@@ -236,13 +237,14 @@ def main() -> None:
                         MODELS[args.model][0], "--output-dir", str(args.checkpoint),
                         "--shards", str(SHARDS[args.model])], check=True, env=env)
     results = {}
+    base_name = "torch_adamw" if args.job == "full" else "stock_as_shipped"
     for repeat in range(args.repeats):
         for name in names:
             res = one_run(args, name, env)
             print(json.dumps({k: v for k, v in res.items() if k not in ("losses", "step_tokens_per_s")}), flush=True)
             results.setdefault(name, {"repeats": []})["repeats"].append(res)
-            save(args, results)  # after every run: a later one that fails keeps these
-    base_name = "torch_adamw" if args.job == "full" else "stock_as_shipped"
+            # After every run, summarized so far: a call cut short keeps these and their means.
+            save(args, summarize(copy.deepcopy(results), base_name, args.warmup))
     print(f"\n| run | tokens/s | vs {'torch AdamW' if args.job == 'full' else 'stock'} | "
           "per-step ratio | peak GPU GiB | host peak RSS GiB |")
     print("|---|---|---|---|---|---|")
