@@ -153,11 +153,15 @@ def optimizer_state_for(
         ValueError: if the state does not cover exactly the model's trainable parameters,
             or (into one optimizer) the parameters' hyperparameters differ.
     """
-    if not isinstance(opt_state_dict, dict):
-        return opt_state_dict  # (the optimizer's load_state_dict says what is wrong)
-    per_parameter = set(opt_state_dict) != {"state", "param_groups"}
-    if per_parameter == optimizer_in_bwd:
-        return opt_state_dict  # (the optimizer's own load_state_dict checks the rest)
+    is_dict = isinstance(opt_state_dict, dict)
+    flat = is_dict and opt_state_dict.keys() == {"state", "param_groups"}
+    per_parameter = is_dict and bool(opt_state_dict) and "state" not in opt_state_dict and all(
+        isinstance(entry, dict) and {"state", "param_groups"} <= entry.keys() for entry in opt_state_dict.values()
+    )
+    if not (per_parameter or flat) or per_parameter == optimizer_in_bwd:
+        # (another layout, e.g. torchao's, or a malformed one: the optimizer's own
+        # load_state_dict converts or refuses it, saying what is wrong)
+        return opt_state_dict
     names = [name for name, param in model.named_parameters() if param.requires_grad]
     try:
         if optimizer_in_bwd:

@@ -234,4 +234,6 @@ def test_recipe_state_of_another_model_is_refused_with_a_message():
     with pytest.raises(ValueError, match="1.bias has other hyperparameters"):
         optimizer_state_for(model, per_name, optimizer_in_bwd=False)
     with pytest.raises(ValueError, match="malformed"):
-        optimizer_state_for(model, {name: [] for name in per_name}, optimizer_in_bwd=False)
+        optimizer_state_for(model, {"state": {}, "param_groups": [{"lr": 1.0}]}, optimizer_in_bwd=True)
+    torchao_layout = {"offloaded": [], "on-device": saved}  # (our load_state_dict converts it)
+    assert optimizer_state_for(model, torchao_layout, optimizer_in_bwd=False) is torchao_layout
