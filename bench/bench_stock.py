@@ -186,7 +186,7 @@ def summarize(results: dict, base_name: str, warmup: int) -> dict:
         r.pop("error", None)
         r["tokens_per_s"] = sum(x["tokens_per_s"] for x in done) / len(done)
         for key in ("peak_gpu_gib", "host_peak_rss_gib"):
-            r[key] = max((x[key] for x in done if x[key] is not None), default=float("nan"))
+            r[key] = max((x[key] for x in done if x[key] is not None), default=None)
         pairs = [(mine, theirs) for x, b in zip(r["repeats"], base) if "error" not in x and "error" not in b
                  for mine, theirs in list(zip(x["step_tokens_per_s"], b["step_tokens_per_s"]))[warmup:]]
         r["paired_ratio"] = sum(m / t for m, t in pairs) / len(pairs) if pairs else None
@@ -255,11 +255,11 @@ def main() -> None:
             print(f"| {name} | FAILED | | | | |")
             continue
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        paired = f"{r['paired_ratio']:.3f}" if r.get("paired_ratio") else "-"
-        each = [x["tokens_per_s"] for x in r["repeats"] if "error" not in x]
+        paired = f"{r['paired_ratio']:.3f}" if r.get("paired_ratio") is not None else "-"
+        each = [x["tokens_per_s"] for x in r["repeats"] if "error" not in x and x.get("tokens_per_s") is not None]
         spread = f" ({', '.join(f'{t:,.0f}' for t in each)})" if len(each) > 1 else ""
-        print(f"| {name} | {r['tokens_per_s']:,.0f}{spread} | {ratio} | {paired} | "
-              f"{r['peak_gpu_gib']:.1f} | {r['host_peak_rss_gib']:.1f} |")
+        gib = [f"{r[key]:.1f}" if r[key] is not None else "-" for key in ("peak_gpu_gib", "host_peak_rss_gib")]
+        print(f"| {name} | {r['tokens_per_s']:,.0f}{spread} | {ratio} | {paired} | {gib[0]} | {gib[1]} |")
     save(args, results)
     print(f"results: {args.out}")
 

@@ -109,20 +109,19 @@ def settle(owner: object) -> None:
         _promised.pop(owner, None)
 
 
-def check(needed: int, num_params: int, master_weights: bool, owner: Optional[object] = None) -> None:
-    """Raise HostMemoryError if ``needed`` bytes, and what other optimizers of this process
-    will still allocate, exceed what the process may use."""
+def check(needed: int, num_params: int, master_weights: bool) -> None:
+    """Raise HostMemoryError if ``needed`` bytes, and what optimizers of this process
+    promised to allocate at their first step (see promise), exceed what the process may use."""
     free, source = available_bytes()
-    others = [n for o, n in list(_promised.items()) if o is not owner]
-    if free is not None and needed + sum(others) > free and others:
+    if free is not None and _promised and needed + sum(_promised.values()) > free:
         gc.collect()  # (a dropped optimizer in a reference cycle would still hold its promise)
-        others = [n for o, n in list(_promised.items()) if o is not owner]
-    if free is None or needed + sum(others) <= free:
+    promised = list(_promised.values())
+    if free is None or needed + sum(promised) <= free:
         return
-    if others:
-        source += (f", less {sum(others) / GIB:.1f} GiB that {len(others)} other optimizer(s) of this "
-                   "process (torchtune's optimizer_in_bwd builds one per parameter) allocate at their first step")
-        free -= sum(others)
+    if promised:
+        source += (f", less {sum(promised) / GIB:.1f} GiB that {len(promised)} optimizer(s) of this process "
+                   "(torchtune's optimizer_in_bwd builds one per parameter) allocate at their first step")
+        free = max(free - sum(promised), 0)
     options = [
         "a smaller model, or LoRA/QLoRA instead of full fine-tuning",
         "more host RAM (or a higher container memory limit)",

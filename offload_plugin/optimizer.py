@@ -406,7 +406,7 @@ class CPUOffloadOptimizer(Optimizer):
             host_memory.check(
                 host_memory.bytes_needed(shards, self.master_weights, state, spares,
                                          host_copies=not streaming),
-                sum(p.numel() for p in shards), self.master_weights, owner=self,
+                sum(p.numel() for p in shards), self.master_weights,
             )
         if not streaming:
             self._stop_streaming()
@@ -426,7 +426,8 @@ class CPUOffloadOptimizer(Optimizer):
             # (the fused path creates Adam's state itself)
             allocate_moments(slots, pin=self._streamed is not None and self._arena.pin)
         if params and self.check_host_memory and not (self._streamed is not None and self._arena.pin):
-            # (page-locked moments are resident now; any other state is made at the first step)
+            # (the streamed update's moments were zero-filled to be page-locked, even where
+            # that failed: resident now; any other state is made at the first step)
             host_memory.promise(self, host_memory.bytes_needed(
                 shards, self.master_weights, host_memory.state_tensors_per_param(self.optimizer_cls, group),
                 host_copies=False))
@@ -748,7 +749,9 @@ class CPUOffloadOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         schedules.run_step(self)
-        host_memory.settle(self)  # (its state exists now)
+        # Its state exists now, or will in a moment (an update that returned early); a
+        # parameter without a gradient makes none, which a later preflight then misses.
+        host_memory.settle(self)
         return loss
 
     def finish_step(self) -> None:

@@ -150,8 +150,9 @@ def optimizer_state_for(
         dict of the same tensors in it.
 
     Raises:
-        ValueError: if the state does not cover exactly the model's trainable parameters,
-            or (into one optimizer) the parameters' hyperparameters differ.
+        ValueError: if the state does not cover exactly the model's trainable parameters
+            (or all of them), has several groups (to split), or (to join) the parameters'
+            hyperparameters differ.
     """
     is_dict = isinstance(opt_state_dict, dict)
     flat = is_dict and opt_state_dict.keys() == {"state", "param_groups"}
@@ -162,11 +163,13 @@ def optimizer_state_for(
         # (another layout, e.g. torchao's, or a malformed one: the optimizer's own
         # load_state_dict converts or refuses it, saying what is wrong)
         return opt_state_dict
-    names = [name for name, param in model.named_parameters() if param.requires_grad]
+    # Ours keeps the trainable parameters, torch's optimizers and torchtune's wrapper all.
+    candidates = ([name for name, param in model.named_parameters() if param.requires_grad],
+                  [name for name, _ in model.named_parameters()])
     try:
         if optimizer_in_bwd:
-            return _split_by_parameter(opt_state_dict, names)
-        return _join_parameters(opt_state_dict, names)
+            return _split_by_parameter(opt_state_dict, candidates)
+        return _join_parameters(opt_state_dict, candidates)
     except (KeyError, TypeError, AttributeError, IndexError) as err:
         raise ValueError(
             f"The checkpoint's optimizer state is malformed ({type(err).__name__}: {err}); "
@@ -174,35 +177,49 @@ def optimizer_state_for(
         ) from err
 
 
-def _split_by_parameter(flat: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
-    """torch's layout over ``names`` to one single-parameter state dict per name."""
-    indices = [index for group in flat["param_groups"] for index in group["params"]]
-    if len(indices) != len(names):
+# Group keys that are not hyperparameters: the parameters, the LR scheduler's initial_lr
+# (torchtune builds the scheduler on the first per-parameter optimizer only) and the names
+# torch keeps when given named parameters.
+_NOT_SHARED = ("params", "initial_lr", "param_names")
+
+
+def _split_by_parameter(flat: Dict[str, Any], candidates: tuple) -> Dict[str, Any]:
+    """torch's layout (one group) to one single-parameter state dict per parameter name."""
+    groups = flat["param_groups"]
+    if len(groups) != 1:  # (ours writes one; several could follow another order than the model's)
+        raise ValueError(
+            f"The checkpoint's optimizer has {len(groups)} parameter groups; only a one-group state "
+            "splits by parameter: resume with optimizer_in_bwd=False."
+        )
+    indices = list(groups[0]["params"])
+    names = next((c for c in candidates if len(c) == len(indices)), None)
+    if names is None:
         raise ValueError(
             f"The checkpoint's optimizer state covers {len(indices)} parameters and the model has "
-            f"{len(names)} trainable ones: it is from another model; resume from a checkpoint of this one."
+            f"{len(candidates[0])} trainable ones ({len(candidates[1])} in all): it is from another "
+            "model; resume from a checkpoint of this one."
         )
-    per_name, position = {}, 0
-    for group in flat["param_groups"]:
-        hyperparameters = {key: value for key, value in group.items() if key != "params"}
-        for index in group["params"]:
-            state = flat["state"].get(index)
-            per_name[names[position]] = {
-                "state": {} if state is None else {0: state},
-                "param_groups": [{**hyperparameters, "params": [0]}],
-            }
-            position += 1
-    return per_name
+    strays = set(flat["state"]) - set(indices)
+    if strays:
+        raise ValueError(f"The checkpoint's optimizer has state for parameters {sorted(map(str, strays))[:3]} "
+                         "that no group lists; resume from a checkpoint of this recipe.")
+    hyperparameters = {key: value for key, value in groups[0].items() if key not in ("params", "param_names")}
+    return {
+        name: {"state": {0: flat["state"][index]} if index in flat["state"] else {},
+               "param_groups": [{**hyperparameters, "params": [0]}]}
+        for name, index in zip(names, indices)
+    }
 
 
-def _join_parameters(per_name: Dict[str, Any], names: List[str]) -> Dict[str, Any]:
-    """One single-parameter state dict per name to torch's layout over ``names`` (one group)."""
-    if set(per_name) != set(names):
-        strays = sorted(set(per_name) - set(names))[:3]
-        missing = sorted(set(names) - set(per_name))[:3]
+def _join_parameters(per_name: Dict[str, Any], candidates: tuple) -> Dict[str, Any]:
+    """One single-parameter state dict per name to torch's layout over the names (one group)."""
+    names = next((c for c in candidates if set(c) == set(per_name)), None)
+    if names is None:
+        strays = sorted(set(per_name) - set(candidates[1]))[:3]
+        missing = sorted(set(candidates[0]) - set(per_name))[:3]
         raise ValueError(
-            "The checkpoint's optimizer state is for other parameters than the model's trainable "
-            f"ones (not in the model: {strays}; missing: {missing}); resume from a checkpoint of this model."
+            "The checkpoint's optimizer state is for other parameters than the model's "
+            f"(not in the model: {strays}; trainable but missing: {missing}); resume from a checkpoint of this model."
         )
     state, hyperparameters, initial_lr = {}, None, None
     for index, name in enumerate(names):
@@ -212,10 +229,9 @@ def _join_parameters(per_name: Dict[str, Any], names: List[str]) -> Dict[str, An
                 f"The checkpoint's optimizer for {name} has {len(groups)} parameter groups where "
                 "torchtune's optimizer_in_bwd saves one; resume from a checkpoint of this recipe."
             )
-        # initial_lr is the LR scheduler's, which torchtune builds on the first optimizer only.
-        mine = {key: value for key, value in groups[0].items() if key not in ("params", "initial_lr")}
-        if "initial_lr" in groups[0] and initial_lr is None:
-            initial_lr = groups[0]["initial_lr"]
+        mine = {key: value for key, value in groups[0].items() if key not in _NOT_SHARED}
+        if initial_lr is None:
+            initial_lr = groups[0].get("initial_lr")
         if hyperparameters is None:
             hyperparameters = mine
         elif not _same_values(mine, hyperparameters):
@@ -240,11 +256,14 @@ def _join_parameters(per_name: Dict[str, Any], names: List[str]) -> Dict[str, An
 def _same_values(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     if a.keys() != b.keys():
         return False
-    return all(
-        torch.equal(a[key], b[key]) if isinstance(a[key], torch.Tensor) and isinstance(b[key], torch.Tensor)
-        else a[key] == b[key]
-        for key in a
-    )
+    for key in a:
+        x, y = a[key], b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 # A save is staged in ``output_dir/.epoch_N.partial`` and renamed to ``.epoch_N.complete``

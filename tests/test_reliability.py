@@ -4,6 +4,7 @@ import copy
 import logging
 import time
 import traceback
+import weakref
 
 import pytest
 import torch
@@ -351,6 +352,7 @@ def test_host_memory_preflight_counts_what_the_other_optimizers_will_allocate(mo
     by the OOM killer at the first step); once they have stepped, nothing is counted twice."""
     from offload_plugin import HostMemoryError, host_memory
 
+    monkeypatch.setattr(host_memory, "_promised", weakref.WeakKeyDictionary())  # (no other test's)
     layers = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=False) for _ in range(4))).to(torch.bfloat16)
     params = list(layers.parameters())
     state = host_memory.state_tensors_per_param(torch.optim.AdamW, {})
@@ -359,12 +361,18 @@ def test_host_memory_preflight_counts_what_the_other_optimizers_will_allocate(mo
     monkeypatch.setattr(host_memory, "available_bytes", lambda: (need + 2 * later, "the cgroup limit in test"))
     CPUOffloadOptimizer([params[0]], master_weights=True)  # dropped at once: promises nothing any more
     built = [CPUOffloadOptimizer([p], master_weights=True) for p in params[:3]]
-    with pytest.raises(HostMemoryError, match=r"3 other optimizer\(s\) of this process"):
+    with pytest.raises(HostMemoryError, match=r"3 optimizer\(s\) of this process"):
         CPUOffloadOptimizer([params[3]], master_weights=True)
     layers(torch.randn(2, 16, dtype=torch.bfloat16)).sum().backward()
     for optimizer in built:
         optimizer.step()
     CPUOffloadOptimizer([params[3]], master_weights=True)  # their state is allocated now
+
+    # One optimizer's second group counts the state its first promised.
+    monkeypatch.setattr(host_memory, "_promised", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: (need + later - 1, "the cgroup limit in test"))
+    with pytest.raises(HostMemoryError, match=r"1 optimizer\(s\) of this process"):
+        CPUOffloadOptimizer([{"params": [params[0]]}, {"params": [params[1]]}], master_weights=True)
 
 
 def test_available_memory_reads_meminfo_and_cgroup():

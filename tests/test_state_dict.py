@@ -237,3 +237,28 @@ def test_recipe_state_of_another_model_is_refused_with_a_message():
         optimizer_state_for(model, {"state": {}, "param_groups": [{"lr": 1.0}]}, optimizer_in_bwd=True)
     torchao_layout = {"offloaded": [], "on-device": saved}  # (our load_state_dict converts it)
     assert optimizer_state_for(model, torchao_layout, optimizer_in_bwd=False) is torchao_layout
+
+
+def test_recipe_state_conversion_takes_torch_optimizers_over_frozen_parameters_and_refuses_several_groups():
+    """torch's optimizers (and torchtune's wrapper) keep frozen parameters where ours drops
+    them: either count converts. A state of several groups is refused rather than split
+    in an order that may not be the model's."""
+    from offload_plugin.recipe_utils import optimizer_state_for
+
+    model = _layers()
+    model[0].bias.requires_grad_(False)
+    torch_adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    _step_each([torch_adamw], model, 0)
+    saved = copy.deepcopy(torch_adamw.state_dict())
+    per_name = optimizer_state_for(model, saved, optimizer_in_bwd=True)
+    assert list(per_name) == [name for name, _ in model.named_parameters()]
+    assert per_name["0.bias"]["state"] == {}
+    back = optimizer_state_for(model, per_name, optimizer_in_bwd=False)
+    assert back["param_groups"][0]["params"] == list(range(8))
+    for index, entry in saved["state"].items():
+        assert all(torch.equal(entry[k], back["state"][index][k]) for k in entry)
+
+    two_groups = torch.optim.AdamW([{"params": [p for n, p in model.named_parameters() if "bias" in n]},
+                                    {"params": [p for n, p in model.named_parameters() if "weight" in n]}])
+    with pytest.raises(ValueError, match="2 parameter groups"):
+        optimizer_state_for(model, two_groups.state_dict(), optimizer_in_bwd=True)
