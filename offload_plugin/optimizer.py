@@ -422,15 +422,14 @@ class CPUOffloadOptimizer(Optimizer):
             self._host_optimizer.add_param_group(host_group)
         if streaming and self._streamed is None and params:
             self._streamed = streamed.StreamedUpdate(self)
+        pin_moments = self._streamed is not None and self._arena.pin
         if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
             # (the fused path creates Adam's state itself)
-            allocate_moments(slots, pin=self._streamed is not None and self._arena.pin)
-        if params and self.check_host_memory and not (self._streamed is not None and self._arena.pin):
-            # (the streamed update's moments were zero-filled to be page-locked, even where
-            # that failed: resident now; any other state is made at the first step)
-            host_memory.promise(self, host_memory.bytes_needed(
-                shards, self.master_weights, host_memory.state_tensors_per_param(self.optimizer_cls, group),
-                host_copies=False))
+            allocate_moments(slots, pin=pin_moments)
+        if params and self.check_host_memory and not pin_moments:
+            # (moments to be page-locked were zero-filled, even where that failed: resident
+            # now; any other state is made at the first step)
+            host_memory.promise(self, host_memory.bytes_needed(shards, self.master_weights, state, host_copies=False))
         shard_of = getattr(self._host_optimizer, "shard_of", None)  # (CompactAdamW lays out shards' state)
         for slot in slots:
             slot.on_replaced = getattr(self._host_optimizer, "weight_replaced", None)
