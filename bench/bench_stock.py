@@ -86,6 +86,7 @@ RUNS = {
         "torchao": ("stock", ["optimizer._component_=torchao.optim.CPUOffloadOptimizer",
                               "~optimizer.fused"]),
         "ours_stock": ("stock", [OURS]),
+        "ours_stock_host_update": ("stock", [OURS]),  # (RUN_ENV: the streamed update off)
         "ours_recipe": ("ours", []),
         "ours_recipe_offload_host_accum": ("ours", ["optimizer.offload_gradients=True"]),
         "ours_recipe_offload_device_accum": ("ours", ["optimizer.offload_gradients=True",
@@ -93,6 +94,9 @@ RUNS = {
     },
 }
 RUNS["lora"] = dict(RUNS["qlora"])  # the same runs with bf16 base weights instead of NF4
+# Runs that differ from another only in their environment: the host update where the streamed
+# one would run, to compare the two on one machine.
+RUN_ENV = {"ours_stock_host_update": {"OFFLOAD_PLUGIN_STREAMED": "0"}}
 LAUNCH = (  # tune in this process, so that its peak RSS is the recipe's
     "import resource, runpy, sys\n"
     "try:\n"
@@ -158,7 +162,8 @@ def one_run(args, name: str, env: dict) -> dict:
     print(f"== {name}: tune {' '.join(cmd[3:])}", flush=True)
     shutil.rmtree(run_dir(args, name) / "logs", ignore_errors=True)  # (see run_dir)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(env, **RUN_ENV.get(name, {})),
+                              cwd=REPO, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout} s"}
     # What the recipe saved at the end goes at once (the logs stay): an 8B model's weights

@@ -19,9 +19,11 @@
 #                                   # accumulation + clipping (about 7 minutes)
 #   bash bench/run_h200.sh inbwd8b  # 8B full under a 24 GiB cap in our recipe and the stock one (a 16 GB
 #                                   # random checkpoint is written first; about 9 minutes)
-#   bash bench/run_h200.sh qlora1b  # torchtune's stock 1B QLoRA config against the drop-in: four alternating
-#                                   # pairs, then a profile of each (since the streamed default the ratio of
-#                                   # means was 0.95x in three sessions, 0.98x with the host update; about 8 minutes)
+#   bash bench/run_h200.sh qlora1b  # torchtune's stock 1B QLoRA config against the drop-in, streamed and with
+#                                   # the host update (OFFLOAD_PLUGIN_STREAMED=0): three alternating rounds
+#                                   # (since the streamed default the ratio of means was 0.95x in three
+#                                   # sessions, 0.98x with the host update; about 6 minutes)
+#   bash bench/run_h200.sh qlora1bprofile  # a profile of each of those three (about 3 minutes)
 #   bash bench/run_h200.sh 8bstock  # torchtune's stock 8B full config, no GPU cap: as shipped (PagedAdamW8bit),
 #                                   # torchao (gradients on the GPU), the drop-in, our 8B config (about 6 minutes)
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
@@ -88,9 +90,11 @@ for stage in "$@"; do
         python3 bench/bench_stock.py --job full --model 8b --gpu-gib 24 --steps 5 --warmup 2 --timeout 200 \
             --runs ours_recipe_in_bwd,ours_stock,torchao_offload_grads | tee "$OUT/stock_8b_full_24gib.txt" ;;
     qlora1b)
-        python3 bench/bench_stock.py --job qlora --model 1b --runs stock_as_shipped,ours_stock --repeats 4 \
-            --steps 20 --warmup 5 --timeout 90 | tee "$OUT/stock_1b_qlora.txt"
-        python3 bench/stock_profile.py --job qlora --runs stock_as_shipped,ours_stock | tee "$OUT/stock_1b_qlora_profile.txt" ;;
+        python3 bench/bench_stock.py --job qlora --model 1b --runs stock_as_shipped,ours_stock,ours_stock_host_update \
+            --repeats 3 --steps 16 --warmup 4 --timeout 90 | tee "$OUT/stock_1b_qlora.txt" ;;
+    qlora1bprofile)
+        python3 bench/stock_profile.py --job qlora --runs stock_as_shipped,ours_stock,ours_stock_host_update \
+            | tee "$OUT/stock_1b_qlora_profile.txt" ;;
     8bstock)
         python3 bench/bench_stock.py --job full --model 8b --steps 5 --warmup 2 --timeout 150 \
             --runs stock_as_shipped,torchao,ours_stock,ours_recipe | tee "$OUT/stock_8b_full.txt" ;;

@@ -14,6 +14,7 @@ import argparse
 import glob
 import gzip
 import json
+import os
 import subprocess
 import sys
 from collections import defaultdict
@@ -71,7 +72,8 @@ def main() -> None:
             "profiler.enabled=True", f"profiler.output_dir={prof_dir}", "profiler.cpu=True", "profiler.cuda=True",
             "profiler.record_shapes=False", "profiler.with_stack=False", "profiler.profile_memory=False",
             "profiler.wait_steps=4", "profiler.warmup_steps=2", "profiler.active_steps=2", "profiler.num_cycles=1"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=bench_stock.REPO, timeout=600)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=bench_stock.REPO, timeout=600,
+                              env=dict(os.environ, **bench_stock.RUN_ENV.get(name, {})))
         traces = glob.glob(f"{prof_dir}/**/*.json*", recursive=True)
         print(f"== {name}: rc {proc.returncode}, traces {traces}", flush=True)
         if proc.returncode or not traces:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 from contextlib import nullcontext
 from typing import Optional
 
@@ -64,8 +65,9 @@ ALIGN = 64
 IN_FLIGHT_BYTES = 1 << 30
 # Tests turn this on to run the same code with parameters on the CPU (no streams).
 _ON_CPU = False
-# Benchmarks switch this off to time the host update on the same machine.
-ENABLED = True
+# Benchmarks switch this off (or set OFFLOAD_PLUGIN_STREAMED=0 in a recipe's environment) to
+# time the host update on the same machine.
+ENABLED = os.environ.get("OFFLOAD_PLUGIN_STREAMED", "1") != "0"
 
 
 def eligible(opt, group: dict, params: list[torch.Tensor]) -> bool:

@@ -285,3 +285,19 @@ def test_replaced_moments_and_mismatched_gradients():
     with pytest.raises(ValueError, match="set .grad to a tensor like the parameter"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, trainable(model)))
+
+
+@pytest.mark.parametrize("value, enabled", [("0", False), ("1", True), (None, True)])
+def test_environment_switches_the_streamed_update_off(value, enabled):
+    """OFFLOAD_PLUGIN_STREAMED=0 (what bench/bench_stock.py's host-update run sets for a
+    recipe's process) leaves the update on the host; unset or 1, the streamed update runs."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_PLUGIN_STREAMED"}
+    if value is not None:
+        env["OFFLOAD_PLUGIN_STREAMED"] = value
+    out = subprocess.run([sys.executable, "-c", "from offload_plugin import streamed; print(streamed.ENABLED)"],
+                         capture_output=True, text=True, env=env, check=True).stdout.strip()
+    assert out == str(enabled)
