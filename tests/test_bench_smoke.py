@@ -419,3 +419,21 @@ def test_launch_rate_bench_cpu_smoke():
     assert set(got["median_us_per_launch"]) == {"no_optimizer", "torch_adamw_on_device", "ours_default"}
     assert all(us > 0 for us in got["median_us_per_launch"].values())
     assert got["vs_no_optimizer"]["no_optimizer"] == 1.0
+
+
+def test_qlora_ab_tiny_cpu_smoke(tmp_path):
+    """bench/qlora_ab.py's CPU smoke command (its docstring's) runs both optimizers in turns and
+    records every step's time and each one's ratio to torch's AdamW."""
+    out = tmp_path / "ab.json"
+    cmd = [sys.executable, str(REPO / "bench" / "qlora_ab.py"), "--tiny", "--device", "cpu",
+           "--blocks", "3", "--block", "2", "--seq-len", "64", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = json.loads(out.read_text())
+    assert run["trainable_elements"] > 0
+    for name in ("torch_adamw", "ours"):
+        assert [len(b) for b in run["blocks"][name]] == [2, 2, 2]
+        assert all(t > 0 for b in run["blocks"][name] for t in b)
+        assert len(run[name]["turn_time_ratios"]) == 2
+    assert run["torch_adamw"]["speed_vs_torch_adamw"] == 1.0
+    assert run["ours"]["speed_vs_torch_adamw"] > 0
