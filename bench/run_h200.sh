@@ -24,6 +24,8 @@
 #                                   # (since the streamed default the ratio of means was 0.95x in three
 #                                   # sessions, 0.98x with the host update; about 6 minutes)
 #   bash bench/run_h200.sh qlora1bprofile  # a profile of each of those three (about 3 minutes)
+#   bash bench/run_h200.sh lora8b   # torchtune's stock 8B QLoRA and LoRA configs against the drop-in (the
+#                                   # streamed update; last measured with the host update, s17; about 8 minutes)
 #   bash bench/run_h200.sh 8bstock  # torchtune's stock 8B full config, no GPU cap: as shipped (PagedAdamW8bit),
 #                                   # torchao (gradients on the GPU), the drop-in, our 8B config (about 6 minutes)
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
@@ -95,6 +97,11 @@ for stage in "$@"; do
     qlora1bprofile)
         python3 bench/stock_profile.py --job qlora --runs stock_as_shipped,ours_stock,ours_stock_host_update \
             | tee "$OUT/stock_1b_qlora_profile.txt" ;;
+    lora8b)
+        python3 bench/bench_stock.py --job qlora --model 8b --runs stock_as_shipped,ours_stock --steps 8 --warmup 3 \
+            --timeout 150 | tee "$OUT/stock_8b_qlora.txt"
+        python3 bench/bench_stock.py --job lora --model 8b --runs stock_as_shipped,ours_stock --steps 8 --warmup 3 \
+            --timeout 150 | tee "$OUT/stock_8b_lora.txt" ;;
     8bstock)
         python3 bench/bench_stock.py --job full --model 8b --steps 5 --warmup 2 --timeout 150 \
             --runs stock_as_shipped,torchao,ours_stock,ours_recipe | tee "$OUT/stock_8b_full.txt" ;;
