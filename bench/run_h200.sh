@@ -23,6 +23,8 @@
 #                                   # the host update (OFFLOAD_PLUGIN_STREAMED=0): three alternating rounds
 #                                   # (since the streamed default the ratio of means was 0.95x in three
 #                                   # sessions, 0.98x with the host update; about 6 minutes)
+#   bash bench/run_h200.sh qloraab  # 1B QLoRA, torch's AdamW and ours taking turns in one process, three runs
+#                                   # (bench/qlora_ab.py; about 3 minutes)
 #   bash bench/run_h200.sh qlora1bprofile  # a profile of each of those three (about 3 minutes)
 #   bash bench/run_h200.sh lora8b   # torchtune's stock 8B QLoRA and LoRA configs against the drop-in (the
 #                                   # streamed update; last measured with the host update, s17; about 8 minutes)
@@ -94,6 +96,10 @@ for stage in "$@"; do
     qlora1b)
         python3 bench/bench_stock.py --job qlora --model 1b --runs stock_as_shipped,ours_stock,ours_stock_host_update \
             --repeats 3 --steps 16 --warmup 4 --timeout 90 | tee "$OUT/stock_1b_qlora.txt" ;;
+    qloraab)
+        for i in 1 2 3; do
+            python3 bench/qlora_ab.py --blocks 24 --out "bench/results/$(date +%F)-qlora_ab-$i.json" | tee -a "$OUT/qlora_ab.txt"
+        done ;;
     qlora1bprofile)
         python3 bench/stock_profile.py --job qlora --runs stock_as_shipped,ours_stock,ours_stock_host_update \
             | tee "$OUT/stock_1b_qlora_profile.txt" ;;
