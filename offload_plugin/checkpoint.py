@@ -225,13 +225,14 @@ def _check_group(opt, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple[di
     accepted = inspect.signature(cls.__init__).parameters
     try:
         dtype = torch.bfloat16 if getattr(cls, "bf16_host_only", False) else torch.float32  # (CompactAdamW)
-        probe = cls([torch.zeros(1, dtype=dtype)], **{k: v for k, v in hyper.items() if k in accepted and k != "params"})
+        # (1x1: classes for matrices, torch.optim.Muon, refuse a 1-D probe)
+        probe = cls([torch.zeros(1, 1, dtype=dtype)], **{k: v for k, v in hyper.items() if k in accepted and k != "params"})
         creates_state = bool(probe.state)
         own = probe.state_dict()
         probe.load_state_dict({"state": own["state"],
                                "param_groups": [dict(hyper, params=own["param_groups"][0]["params"])]})
         normalized = {k: v for k, v in probe.param_groups[0].items() if k != "params"}
-        probe.param_groups[0]["params"][0].grad = torch.zeros(1, dtype=dtype)
+        probe.param_groups[0]["params"][0].grad = torch.zeros(1, 1, dtype=dtype)
         probe.step()
     except Exception as err:  # whatever the class raises, this group cannot be used
         raise ValueError(

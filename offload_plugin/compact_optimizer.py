@@ -33,7 +33,7 @@ from typing import Any, Optional
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin import compact_adam
+from offload_plugin import compact_adam, host_update
 
 __all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict"]
 
@@ -136,6 +136,13 @@ class CompactAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # Groups and state entries are the user's to edit between steps: all are checked
+        # before any parameter is updated, so a refused step changes nothing.
+        for index, group in enumerate(self.param_groups):
+            host_update.check_hyperparameters(index, group)
+            for p in group["params"]:
+                if p.grad is not None and self.state.get(p):
+                    _check_live_entry(p, self.state[p], group)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -335,6 +342,35 @@ def _from_bnb_entry(where: str, entry: dict, param: torch.Tensor, group: dict) -
         ) from None
     return {k: v.view(param.shape) if v.numel() == param.numel() else v
             for k, v in state.state_dict().items()}
+
+
+def _check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
+    """``optimizer.state[p]`` as a step needs it. The kernels walk raw pointers: a state
+    tensor of another size assigned by hand read and wrote past its end (heap corruption)."""
+    n, blocks = p.numel(), -(-p.numel() // compact_adam.BLOCK)
+    if _is_exact(entry):
+        want = {"exp_avg": (torch.float32, n), "exp_avg_sq": (torch.float32, n)}
+    else:
+        want = {"exp_avg": (torch.uint8, n), "exp_avg_sq": (torch.uint8, n),
+                "exp_avg_absmax": (torch.float32, blocks), "exp_avg_sq_absmax": (torch.float32, blocks)}
+    if group["master"] or "remainder" in entry:
+        want["remainder"] = (torch.int16, n)
+    where = f"optimizer.state[p] of a parameter of shape {tuple(p.shape)}"
+    step = entry.get("step")
+    if not (isinstance(step, torch.Tensor) and step.numel() == 1):
+        raise ValueError(f"{where}: 'step' is {step!r:.40}; it must be a one-element tensor. "
+                         "Put back the full entry, or `del optimizer.state[p]` to restart its state.")
+    for key, (dtype, numel) in want.items():
+        value = entry.get(key)
+        if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.numel() == numel
+                and value.is_contiguous() and value.device.type == "cpu"):
+            got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
+            raise ValueError(
+                f"{where}: {key!r} is {got}; CompactAdamW needs a contiguous {dtype} CPU tensor "
+                f"of {numel} elements there. Put back the full entry, or `del optimizer.state[p]` "
+                "to restart its state."
+            )
 
 
 def _check_tensor(t: torch.Tensor, what: str) -> None:

@@ -15,6 +15,7 @@ Any other ``optimizer_cls`` (or Adam without ``fused``) goes through its own ``s
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import weakref
 from typing import Optional
 
@@ -24,7 +25,7 @@ from torch.optim import Optimizer
 from offload_plugin import native_adam
 from offload_plugin.host_buffers import HostSlot, back_to_back
 
-__all__ = ["uses_fused_adam", "update_slots", "forget_batches"]
+__all__ = ["uses_fused_adam", "check_hyperparameters", "update_slots", "forget_batches"]
 
 # 2 Mi elements: the fp32 gradient temporary (8 MiB) and the chunk of master weight read
 # back for the bf16 copy stay in the last-level cache between the three operations.
@@ -43,12 +44,39 @@ def uses_fused_adam(optimizer: Optimizer, group: dict) -> bool:
     )
 
 
+def check_hyperparameters(index: int, group: dict) -> None:
+    """Refuse, before any update of the step, a hyperparameter the fused update cannot use.
+
+    Groups are the user's to edit between steps. torch's fused AdamW raises on such a value
+    (some only after advancing its step counts); here the update would raise from the
+    worker after updating other slots, or take ``lr="0.01"`` as 0.01, which torch refuses.
+    """
+    def number(value) -> bool:
+        if isinstance(value, torch.Tensor):
+            return value.numel() == 1 and not value.is_complex()
+        return isinstance(value, numbers.Real)
+
+    betas = group.get("betas")
+    bad = [key for key in ("lr", "eps", "weight_decay") if not number(group.get(key))]
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(map(number, betas))):
+        bad.append("betas")
+    if bad:
+        key = bad[0]
+        needs = "a pair of numbers" if key == "betas" else "a number (or a one-element tensor)"
+        raise TypeError(
+            f"param_groups[{index}][{key!r}] is {group.get(key)!r:.60}; the update needs {needs}. "
+            "Set it to a valid value before the next step(); nothing was updated."
+        )
+
+
 def _adam_state(optimizer: Optimizer, slot: HostSlot, amsgrad: bool) -> dict:
     """The state torch's fused Adam would create for ``slot.master`` (same keys, dtypes,
-    shapes)."""
+    shapes), or the existing state, checked before anything of it changes."""
     master = slot.master
     state = optimizer.state[master]
-    if not state:
+    if state:
+        _check_adam_state(state, master, amsgrad)
+    else:
         state["step"] = torch.zeros((), dtype=torch.float32)
         if slot.moments is not None:  # host memory set aside for them (huge pages)
             state["exp_avg"], state["exp_avg_sq"] = (m.zero_() for m in slot.moments)
@@ -60,6 +88,43 @@ def _adam_state(optimizer: Optimizer, slot: HostSlot, amsgrad: bool) -> dict:
                 master, memory_format=torch.preserve_format
             )
     return state
+
+
+def _check_adam_state(state: dict, master: torch.Tensor, amsgrad: bool) -> None:
+    """A slot's existing state, as the fused kernels need it. ``optimizer.state[p]`` is the
+    user's to replace (torch's optimizers allow it), and the kernels walk raw pointers: a
+    moment of another size read and wrote past its end (heap corruption). Checked before
+    the step count advances, so a refused entry leaves everything as it was."""
+    where = f"optimizer.state[p] of a parameter of shape {tuple(master.shape)}"
+    keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    missing = [key for key in ("step",) + keys if key not in state]
+    if missing:
+        why = (" amsgrad=True was set after this parameter's first step (torch's AdamW cannot "
+               "switch it on then either): set amsgrad when building the optimizer, or "
+               "`del optimizer.state[p]` to restart its state." if missing == ["max_exp_avg_sq"]
+               else " Put back the full entry, or `del optimizer.state[p]` to restart its state.")
+        raise ValueError(f"{where} lacks {missing}.{why}")
+    step = state["step"]
+    if not (isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()):
+        raise ValueError(
+            f"{where}: 'step' is {step!r:.40}; it must be a one-element floating-point tensor "
+            "(e.g. torch.tensor(1.0)), as torch's fused AdamW keeps it."
+        )
+    for key in keys:
+        value = state[key]
+        if not (isinstance(value, torch.Tensor) and value.shape == master.shape
+                and value.dtype == master.dtype and value.device == master.device):
+            what = (f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+                    if isinstance(value, torch.Tensor) else type(value).__name__)
+            raise ValueError(
+                f"{where}: {key!r} is {what}; it must be a {master.dtype} tensor of the "
+                f"parameter's shape in host memory (cpu). Assign one of that shape and dtype, "
+                "or `del optimizer.state[p]` to restart its state."
+            )
+        if not value.is_contiguous():
+            # The kernels view state as flat vectors: a contiguous copy of the same values
+            # (torch's loop AdamW reads them as such; load_state_dict copies likewise).
+            state[key] = value.contiguous()
 
 
 def _native_kernel(master, grad, stage, amsgrad) -> Optional["native_adam.NativeAdam"]:
@@ -253,7 +318,7 @@ def update_slots(
 
     After it returns, each slot's ``weight_stage`` (if any) holds the new weight.
     """
-    generic, together, fused = [], {}, {}  # (fused: per group, asked once per call)
+    generic, together, fused, singles = [], {}, {}, []  # (fused: per group, asked once per call)
     for slot in slots:
         group = group_of[id(slot.master)]
         gid = id(group)
@@ -269,7 +334,15 @@ def update_slots(
             key = (gid, slot.master.dtype, slot.weight_stage is None)
             together.setdefault(key, (group, []))[1].append(slot)
         else:
-            _fused_adam_update(optimizer, group, slot, grad_scale)
+            singles.append((group, slot))
+    # Every slot's state is checked (missing state created) before any slot is updated,
+    # as torch's step checks all before updating any: a refused entry changes nothing.
+    for group, slot in singles:
+        _adam_state(optimizer, slot, group["amsgrad"])
+    for group, batch in together.values():
+        _batch(optimizer, batch)
+    for group, slot in singles:
+        _fused_adam_update(optimizer, group, slot, grad_scale)
     for group, batch in together.values():
         _fused_adam_many(optimizer, group, batch, grad_scale)
     if not generic:

@@ -479,6 +479,20 @@ class CPUOffloadOptimizer(Optimizer):
         """Trainable parameters in order, group by group (the order of state-dict indices)."""
         return (p for g in self.param_groups for p in g["params"])
 
+    def _check_params_known(self) -> None:
+        """Refuse a tensor put into ``param_groups[i]["params"]`` by hand: torch's optimizers
+        update it from then on, but it has no host copy here and would be left alone."""
+        share = self._device_share
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if self._slots.get(p) is None and (share is None or p not in share):
+                    raise ValueError(
+                        f"param_groups[{i}]['params'] holds a tensor of shape "
+                        f"{tuple(getattr(p, 'shape', ()))} that CPUOffloadOptimizer was not "
+                        "given: it has no host copy to update. Add parameters with "
+                        "optimizer.add_param_group({'params': [...]}) instead."
+                    )
+
     def _check_host_only(self, params: list) -> None:
         """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates bf16 host
         copies, of DTensors sharded by rows: refuse what it cannot take before anything is
@@ -747,6 +761,7 @@ class CPUOffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_params_known()
         schedules.run_step(self)
         # Its state exists now, or will in a moment (an update that returned early); a
         # parameter without a gradient makes none, which a later preflight then misses.
@@ -815,6 +830,7 @@ class CPUOffloadOptimizer(Optimizer):
                 like its shard (e.g. factored state), which cannot be saved per shard.
         """
         self._finish_pending()
+        self._check_params_known()
         self._adopt_changed_weights()  # a saved master must match the model's weight
         return checkpoint.with_masters(self, super().state_dict())
 
@@ -850,6 +866,7 @@ class CPUOffloadOptimizer(Optimizer):
                 non-finite entry; the message says what differs.
         """
         self._finish_pending()
+        self._check_params_known()
         # Checked and converted into new tensors; nothing of this optimizer changed yet.
         plan = checkpoint.prepare_load(self, state_dict, torchao_minimal_size, allow_nonfinite)
         checkpoint.apply_state(self, plan)

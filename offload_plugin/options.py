@@ -27,6 +27,11 @@ _UNSUPPORTED = {
 }
 
 
+# The on/off options (each must be a bool).
+_FLAGS = ("offload_gradients", "master_weights", "pin_memory", "check_host_memory",
+          "delayed_update", "accumulate_on_device")
+
+
 @dataclasses.dataclass
 class Options:
     """The constructor's options (see CPUOffloadOptimizer for what each does)."""
@@ -46,6 +51,22 @@ class Options:
     def __post_init__(self) -> None:
         self.optimizer_cls = resolve_optimizer_cls(self.optimizer_cls)
         _check_option_names(self.optimizer_cls, self.optimizer_kwargs)
+        for name in _FLAGS:
+            value = getattr(self, name)
+            # bool("false") is True: a quoted YAML value or a CLI string would silently
+            # turn the option on. (0 and 1 are taken, as bool() reads them.)
+            if not isinstance(value, bool) and not (isinstance(value, int) and value in (0, 1)):
+                raise TypeError(
+                    f"{name} must be True or False, got {value!r} ({type(value).__name__}). "
+                    f"In a YAML config, write {name}: true or {name}: false, unquoted."
+                )
+        if self.optimizer_kwargs.get("capturable"):
+            # torch's step asserts on host tensors ("If capturable=True, params and
+            # state_steps must be on supported devices"), at every step.
+            raise ValueError(
+                "capturable=True does not apply: the update runs on host (CPU) copies, which "
+                "CUDA graphs cannot capture. Leave capturable unset (False)."
+            )
         if self.nonfinite_grads not in NONFINITE_POLICIES:
             raise ValueError(
                 f"nonfinite_grads must be one of {NONFINITE_POLICIES}, got {self.nonfinite_grads!r}"
@@ -66,7 +87,8 @@ class Options:
                 "does not combine with device_fraction. Use device_fraction=0."
             )
         host_threads = self.host_threads
-        if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
+        if host_threads is not None and (
+                not isinstance(host_threads, int) or isinstance(host_threads, bool) or host_threads < 1):
             raise ValueError(f"host_threads must be a positive int or None, got {host_threads!r}")
         self.offload_gradients, self.master_weights = bool(self.offload_gradients), bool(self.master_weights)
         self.delayed_update = bool(self.delayed_update)
@@ -84,7 +106,8 @@ class Options:
     def defaults(self) -> dict:
         """``optimizer_cls``'s defaults with these hyperparameters, checked by the class itself
         ("Invalid learning rate: -1.0") before anything is allocated or hooked."""
-        return dict(self.optimizer_cls([torch.zeros(1)], **self.optimizer_kwargs).defaults)
+        # A 1x1 matrix: classes for matrices (torch.optim.Muon) refuse a 1-D probe.
+        return dict(self.optimizer_cls([torch.zeros(1, 1)], **self.optimizer_kwargs).defaults)
 
 
 OWN_OPTIONS = ["optimizer_cls"] + [f.name for f in dataclasses.fields(Options)

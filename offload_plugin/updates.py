@@ -88,6 +88,13 @@ class Updates:
         # from its own. (A tensor lr is changed in place: copy its value.)
         hyper = [{k: v.clone() if isinstance(v, torch.Tensor) else v
                   for k, v in outer.items() if k != "params"} for outer in param_groups]
+        # Values the fused update cannot use are refused here, before any update of the
+        # step (its worker jobs would fail after updating others). Other classes check
+        # their own in their step().
+        host = self._host_optimizer()
+        for index, values in enumerate(hyper):
+            if host_update.uses_fused_adam(host, values):
+                host_update.check_hyperparameters(index, values)
         if in_flight:
             # Its weight copies need no wait here: each parameter's next gradient comes
             # from a forward that waited for its copy.
@@ -98,7 +105,6 @@ class Updates:
                 # The previous step's weight copies read master/weight_stage: let them
                 # finish. (delayed_update waits per parameter, in its jobs.)
                 Transfers.wait(self.last_push)
-        host = self._host_optimizer()
         # By id: a tensor's __hash__ is Python code, asked per slot at every step.
         groups = {id(m): g for g in host.param_groups for m in g["params"]}
         return StepPlan(groups=groups, grad_scale=grad_scale, check_each=check_each,
