@@ -301,3 +301,25 @@ def test_environment_switches_the_streamed_update_off(value, enabled):
     out = subprocess.run([sys.executable, "-c", "from offload_plugin import streamed; print(streamed.ENABLED)"],
                          capture_output=True, text=True, env=env, check=True).stdout.strip()
     assert out == str(enabled)
+
+
+def test_wrongly_shaped_moment_assigned_by_hand_is_refused_changing_nothing():
+    """The streamed update cuts its copies from the state's moments: one of another size
+    assigned by hand to ``optimizer.state[p]`` is refused with a message when the step
+    re-plans, the weights and step counts as they were (host_update._check_adam_state)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2)
+    assert opt._streamed is not None
+    for _ in range(2):
+        model(torch.randn(3, 8, dtype=torch.bfloat16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    weights = [p.detach().clone() for p in model.parameters()]
+    steps = [opt.state[p]["step"].clone() for p in model.parameters()]
+    opt.state[model.weight]["exp_avg"] = torch.zeros(3, dtype=torch.bfloat16)
+    model(torch.randn(3, 8, dtype=torch.bfloat16)).sum().backward()
+    with pytest.raises(ValueError, match="'exp_avg' is a torch.bfloat16 tensor of shape"):
+        opt.step()
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip(model.parameters(), steps))
