@@ -82,7 +82,13 @@ class _StateByParam(MutableMapping):
             return owner._host_optimizer.state, slot.master
         if owner._device_share is not None and param in owner._device_share:
             return owner._device_share.optimizer.state, owner._device_share.target[param]
-        raise KeyError(param)
+        # (torch's state is a defaultdict that would make an empty entry here; one made for a
+        # tensor this optimizer never updates would be dropped silently, so say why instead)
+        shape = tuple(param.shape) if isinstance(param, torch.Tensor) else type(param).__name__
+        raise KeyError(
+            f"optimizer.state has no entry for this tensor ({shape}): it is not among the "
+            "parameters this CPUOffloadOptimizer updates (frozen parameters, requires_grad=False "
+            "when it was built, are left out). Use `p in optimizer.state` to test first.")
 
     def __getitem__(self, param):
         # Both optimizers' state is a defaultdict, as torch's optimizers' state is.

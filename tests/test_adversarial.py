@@ -378,3 +378,17 @@ def test_tensor_appended_to_a_group_directly_is_refused_not_ignored(then):
             opt.load_state_dict(saved)
     for p, q in zip(before, model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_state_of_a_tensor_not_held_is_a_keyerror_that_says_why():
+    """``optimizer.state[q]`` for a tensor the optimizer does not update (here a frozen
+    weight, which ours leaves out): torch's defaultdict makes an empty entry; ours has no
+    entry to make, and raised ``KeyError(<the tensor's repr>)``. It says why now, and
+    ``q in optimizer.state`` is False without raising."""
+    model = _model()
+    model[0].weight.requires_grad_(False)
+    opt = CPUOffloadOptimizer(model.parameters(), lr=LR)
+    _step(model, opt, 0)
+    assert model[0].weight not in opt.state and model[2].weight in opt.state
+    with pytest.raises(KeyError, match="not among the parameters this CPUOffloadOptimizer updates"):
+        opt.state[model[0].weight]
