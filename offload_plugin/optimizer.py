@@ -78,7 +78,7 @@ class _StateByParam(MutableMapping):
         slot = owner._slots.get(param)
         if slot is not None:
             if owner._streamed is not None:  # the state as the last step left it
-                owner._streamed.settle()
+                owner._streamed.settle(for_user=True)
             return owner._host_optimizer.state, slot.master
         if owner._device_share is not None and param in owner._device_share:
             return owner._device_share.optimizer.state, owner._device_share.target[param]

@@ -240,16 +240,20 @@ class StreamedUpdate:
         self._device_steps: Optional[torch.Tensor] = None  # one per slot, by slot.order
         self._step_views: list = []
         self._steps_moved = False  # the device counts changed since the host's were set
+        self._host_counts: list = []  # the counts as the host state last had them, by slot.order
+        self._counts_shown = False  # the host state went to the user since the last step
         self._plans: dict = {}  # which slots step (a tuple of bools) -> _Plan
         self._written: Optional[object] = None  # the last copy of state into host memory
         self._verdict: Optional[_Verdict] = None
         self._queued_on: Optional[StagingRing] = None  # a step of ours waits in its queue
 
     # ------------------------------------------------------------------ host view
-    def settle(self) -> None:
+    def settle(self, for_user: bool = False) -> None:
         """Bring the host state up to date: send a queued step to the GPU, wait for the
         copies out, copy the step counts into the state, report a skipped step. Cheap when
-        nothing is in flight."""
+        nothing is in flight. ``for_user``: the state is handed to the user, who may edit
+        the step counts before the next step (see _adopt_edited_counts)."""
+        self._counts_shown = self._counts_shown or for_user
         if self._queued_on is not None:
             _flush(self._queued_on)
         if self._written is not None:
@@ -258,12 +262,27 @@ class StreamedUpdate:
         if self._steps_moved:
             self._steps_moved = False
             steps = self._device_steps.cpu()
+            self._host_counts = steps.tolist()
             state = self._opt._host_optimizer.state
             for slot in self._opt._slots:
                 entry = state.get(slot.master)
                 if entry and "step" in entry:
                     entry["step"].copy_(steps[slot.order])
         self._take_verdict()
+
+    def _adopt_edited_counts(self) -> None:
+        """Step counts the user changed in the host state since it was handed out (in place
+        or replaced, as torch's AdamW takes them) are read anew, with the plans: the device
+        holds the counts between steps, and would go on from its own."""
+        self._counts_shown = False
+        if self._device_steps is None or len(self._host_counts) < len(self._opt._slots):
+            return  # (read from the host state at this step anyway: see _steps_of)
+        state = self._opt._host_optimizer.state
+        for slot in self._opt._slots:
+            entry = state.get(slot.master)
+            if entry and "step" in entry and float(entry["step"]) != self._host_counts[slot.order]:
+                self.forget_state()
+                return
 
     def forget_state(self) -> None:
         """The host state was replaced (load_state_dict, ``state[p] = ...``) after a
@@ -298,6 +317,8 @@ class StreamedUpdate:
             _flush(self._queued_on)
         if self._verdict is not None:
             self._take_verdict()
+        if self._counts_shown:
+            self._adopt_edited_counts()
         slots = opt._slots.ordered  # (in parameter order: no device_fraction here)
         grads = [slot.param.grad for slot in slots]
         key = tuple(g is not None for g in grads)
@@ -370,6 +391,7 @@ class StreamedUpdate:
             state = opt._host_optimizer.state
             counts = [float(state[s.master]["step"]) if "step" in state.get(s.master, {}) else 0.0
                       for s in opt._slots]
+            self._host_counts = counts
             self._device_steps = torch.tensor(counts, dtype=torch.float32).to(slots[0].param.device)
             self._step_views = list(self._device_steps.unbind())
             self._plans.clear()  # (their step views are of the old tensor)

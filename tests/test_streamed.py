@@ -323,3 +323,25 @@ def test_wrongly_shaped_moment_assigned_by_hand_is_refused_changing_nothing():
         opt.step()
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
     assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip(model.parameters(), steps))
+
+
+@pytest.mark.parametrize("edit", ["in place", "replaced"])
+def test_step_count_edited_by_hand_is_what_the_next_step_uses(edit):
+    """The step counts live on the device between steps; ``optimizer.state[p]["step"]``
+    edited by hand (in place, or a new tensor) must be what the next step's bias correction
+    uses, as with torch's AdamW, also after the state was read before."""
+    ref_model, model = twins()
+    ref = torch.optim.AdamW(trainable(ref_model), fused=True, **KW)
+    opt = CPUOffloadOptimizer(model.parameters(), **KW)
+    train(ref_model, ref, 2)
+    train(model, opt, 2)
+    for o, params in ((ref, trainable(ref_model)), (opt, trainable(model))):
+        float(o.state[params[0]]["step"])  # (a read first: the host counts were brought up to date)
+        if edit == "in place":
+            o.state[params[0]]["step"].fill_(10.0)
+        else:
+            o.state[params[0]]["step"] = torch.tensor(10.0)
+    train(ref_model, ref, 2)
+    train(model, opt, 2)
+    assert_same_params(ref_model, model, exact=True)
+    assert float(opt.state[trainable(model)[0]]["step"]) == 12.0
