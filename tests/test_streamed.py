@@ -345,3 +345,33 @@ def test_step_count_edited_by_hand_is_what_the_next_step_uses(edit):
     train(model, opt, 2)
     assert_same_params(ref_model, model, exact=True)
     assert float(opt.state[trainable(model)[0]]["step"]) == 12.0
+
+
+def test_step_count_edited_after_a_group_was_added():
+    """A group added after steps, then a step count edited by hand: both the new group's
+    counts and the edited one are what the next steps use, bit for bit torch's AdamW."""
+    torch.manual_seed(0)
+    first, second = torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)
+    ref_first, ref_second = copy.deepcopy(first), copy.deepcopy(second)
+    opt = CPUOffloadOptimizer(first.parameters(), lr=1e-2)
+    ref = torch.optim.AdamW(ref_first.parameters(), lr=1e-2, fused=True)
+    assert opt._streamed is not None
+
+    def step(a, b, o, i):
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))
+        b(a(x)).sum().backward()
+        o.step()
+        o.zero_grad()
+
+    step(first, second, opt, 0)
+    step(ref_first, ref_second, ref, 0)
+    opt.add_param_group({"params": list(second.parameters())})
+    ref.add_param_group({"params": list(ref_second.parameters())})
+    opt.state[first.weight]["step"].fill_(5.0)
+    ref.state[ref_first.weight]["step"].fill_(5.0)
+    for i in (1, 2):
+        step(first, second, opt, i)
+        step(ref_first, ref_second, ref, i)
+    for p, q in zip([*first.parameters(), *second.parameters()], [*ref_first.parameters(), *ref_second.parameters()]):
+        assert torch.equal(p, q)
+    assert float(opt.state[first.weight]["step"]) == 7.0 and float(opt.state[second.weight]["step"]) == 2.0
