@@ -28,13 +28,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import TINY  # noqa: E402  (the tiny model's shape; puts the repository on sys.path)
 
 # torchtune's llama3_2/1B_qlora_single_device.yaml
 CONFIG_LORA = dict(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
                    lora_rank=64, lora_alpha=128, lora_dropout=0.0)
-TINY = dict(vocab_size=512, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128,
-            intermediate_dim=256)
 
 
 def build(args):

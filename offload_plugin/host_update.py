@@ -142,10 +142,10 @@ def _native_kernel(master, grad, stage, amsgrad) -> Optional["native_adam.Native
 
 
 def _fused_adam_update(
-    optimizer: Optimizer, group: dict, slot: HostSlot, grad_scale: Optional[float]
+    optimizer: Optimizer, group: dict, slot: HostSlot, state: dict, grad_scale: Optional[float]
 ) -> None:
+    """One slot's step from its ``state`` (as _adam_state gave it: checked, complete)."""
     amsgrad = group["amsgrad"]
-    state = _adam_state(optimizer, slot, amsgrad)
     state["step"] += 1
     decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
@@ -272,16 +272,13 @@ def forget_batches(optimizer: Optimizer) -> None:
     _BATCHES.pop(optimizer, None)
 
 
-def _fused_adam_many(
-    optimizer: Optimizer, group: dict, slots: list[HostSlot], grad_scale: Optional[float]
-) -> None:
+def _fused_adam_many(optimizer: Optimizer, group: dict, batch: _Batch, grad_scale: Optional[float]) -> None:
     """_fused_adam_update for one or several slots of one group in one native call
     (hundreds of LoRA adapters: per-slot Python and a thread team per call would dwarf the
     arithmetic; for one slot, two torch calls instead of its views and step arithmetic)."""
-    batch = _batch(optimizer, slots)
     if not batch.usable:
-        for slot in slots:  # e.g. state loaded with another layout
-            _fused_adam_update(optimizer, group, slot, grad_scale)
+        for slot, (state, *_) in zip(batch.slots, batch.held):  # e.g. state loaded with another layout
+            _fused_adam_update(optimizer, group, slot, state, grad_scale)
         return
     batch.counts.add_(1)  # each slot's state["step"] += 1 (float32): they are its views
     steps = batch.counts.tolist()
@@ -337,13 +334,11 @@ def update_slots(
             singles.append((group, slot))
     # Every slot's state is checked (missing state created) before any slot is updated,
     # as torch's step checks all before updating any: a refused entry changes nothing.
-    for group, slot in singles:
-        _adam_state(optimizer, slot, group["amsgrad"])
-    for group, batch in together.values():
-        _batch(optimizer, batch)
-    for group, slot in singles:
-        _fused_adam_update(optimizer, group, slot, grad_scale)
-    for group, batch in together.values():
+    states = [_adam_state(optimizer, slot, group["amsgrad"]) for group, slot in singles]
+    batches = [(group, _batch(optimizer, batch)) for group, batch in together.values()]
+    for (group, slot), state in zip(singles, states):
+        _fused_adam_update(optimizer, group, slot, state, grad_scale)
+    for group, batch in batches:
         _fused_adam_many(optimizer, group, batch, grad_scale)
     if not generic:
         return

@@ -488,6 +488,8 @@ class CPUOffloadOptimizer(Optimizer):
     def _check_params_known(self) -> None:
         """Refuse a tensor put into ``param_groups[i]["params"]`` by hand: torch's optimizers
         update it from then on, but it has no host copy here and would be left alone."""
+        if all(self._slots.holds_all(group["params"]) for group in self.param_groups):
+            return
         share = self._device_share
         for i, group in enumerate(self.param_groups):
             for p in group["params"]:
