@@ -77,6 +77,38 @@ def test_gpu_next_forward_sees_the_new_weights_and_grads_wait_for_the_recipe():
         assert torch.equal(a, b)
 
 
+def test_gpu_streamed_at_lora_scale_is_torch_fused_adamw_step_after_step():
+    """torchtune's 1B LoRA config's sizes and settings (bf16 adapters of 42M elements, so
+    the moments cycle through the ring several times a step at real copy times; a warmup
+    schedule; weight decay 0.01): bit for bit torch's fused AdamW after every one of 16
+    steps, with the loss read right after each step as the recipe does."""
+    torch.manual_seed(0)
+    shapes = [(64, 2048), (2048, 64), (64, 8192), (8192, 64)] * 32  # 128 tensors, 42M elements
+    params = [nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02) for s in shapes]
+    twin = [nn.Parameter(p.detach().clone()) for p in params]
+    ref = torch.optim.AdamW(twin, lr=3e-4, weight_decay=0.01, fused=True)
+    opt = CPUOffloadOptimizer(params, lr=3e-4, weight_decay=0.01)
+    warmup = lambda step: min(1.0, (step + 1) / 100)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, warmup) for o in (ref, opt)]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for step in range(16):
+        grads = [torch.randn(s, device="cuda", dtype=torch.bfloat16, generator=g) * 1e-2 for s in shapes]
+        for ps, o, sched in zip((twin, params), (ref, opt), schedules):
+            torch.cuda._sleep(20_000_000)  # gradients still being written when step() is called
+            for p, grad in zip(ps, grads):
+                p.grad = grad.clone()
+            o.step()
+            o.zero_grad(set_to_none=True)
+            sched.step()
+            ps[0].float().sum().item()  # the recipe's loss.item() right after the step
+        for a, b in zip(twin, params):
+            assert torch.equal(a, b), step
+    ours, theirs = opt.state_dict()["state"], ref.state_dict()["state"]
+    for index, entry in theirs.items():
+        for key, value in entry.items():
+            assert torch.equal(ours[index][key], value.cpu()), (index, key)
+
+
 def test_gpu_streamed_skips_a_nonfinite_step_on_the_device(caplog):
     """An inf gradient: nothing changes (weights, moments, counts), reported next."""
     model, _ = twins("cuda", torch.bfloat16)
