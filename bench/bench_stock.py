@@ -198,6 +198,33 @@ def summarize(results: dict, base_name: str, warmup: int) -> dict:
     return results
 
 
+def baseline(job: str, names) -> str:
+    """The run the others are compared with: torch's AdamW on the GPU (full fine-tuning) or
+    the stock config as shipped (LoRA, QLoRA: its AdamW on the GPU), else the first run."""
+    names = list(names)
+    preferred = "torch_adamw" if job == "full" else "stock_as_shipped"
+    return preferred if preferred in names or not names else names[0]
+
+
+def markdown_table(results: dict, base_name: str) -> str:
+    """The summarized runs as a markdown table (bench/report.py prints every saved one).
+    Results saved before --repeats existed hold one run's numbers without "repeats"."""
+    base = results.get(base_name, {}).get("tokens_per_s")
+    lines = [f"| run | tokens/s | vs {base_name} | per-step ratio | peak GPU GiB | host peak RSS GiB |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        if r.get("tokens_per_s") is None:
+            lines.append(f"| {name} | FAILED | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        paired = f"{r['paired_ratio']:.3f}" if r.get("paired_ratio") is not None else "-"
+        each = [x["tokens_per_s"] for x in r.get("repeats", []) if x.get("tokens_per_s") is not None]
+        spread = f" ({', '.join(f'{t:,.0f}' for t in each)})" if len(each) > 1 else ""
+        gib = [f"{r[key]:.1f}" if r.get(key) is not None else "-" for key in ("peak_gpu_gib", "host_peak_rss_gib")]
+        lines.append(f"| {name} | {r['tokens_per_s']:,.0f}{spread} | {ratio} | {paired} | {gib[0]} | {gib[1]} |")
+    return "\n".join(lines)
+
+
 def save(args, results: dict) -> None:
     args.out.write_text(json.dumps({"kind": "stock", "settings": {k: str(v) for k, v in vars(args).items()},
                                     "results": results}, indent=1))
@@ -242,7 +269,7 @@ def main() -> None:
                         MODELS[args.model][0], "--output-dir", str(args.checkpoint),
                         "--shards", str(SHARDS[args.model])], check=True, env=env)
     results = {}
-    base_name = "torch_adamw" if args.job == "full" else "stock_as_shipped"
+    base_name = baseline(args.job, names)
     for repeat in range(args.repeats):
         for name in names:
             res = one_run(args, name, env)
@@ -250,21 +277,8 @@ def main() -> None:
             results.setdefault(name, {"repeats": []})["repeats"].append(res)
             # After every run, summarized so far: a call cut short keeps these and their means.
             save(args, summarize(copy.deepcopy(results), base_name, args.warmup))
-    print(f"\n| run | tokens/s | vs {'torch AdamW' if args.job == 'full' else 'stock'} | "
-          "per-step ratio | peak GPU GiB | host peak RSS GiB |")
-    print("|---|---|---|---|---|---|")
     summarize(results, base_name, args.warmup)
-    base = results.get(base_name, {}).get("tokens_per_s")
-    for name, r in results.items():
-        if "error" in r:
-            print(f"| {name} | FAILED | | | | |")
-            continue
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        paired = f"{r['paired_ratio']:.3f}" if r.get("paired_ratio") is not None else "-"
-        each = [x["tokens_per_s"] for x in r["repeats"] if "error" not in x and x.get("tokens_per_s") is not None]
-        spread = f" ({', '.join(f'{t:,.0f}' for t in each)})" if len(each) > 1 else ""
-        gib = [f"{r[key]:.1f}" if r[key] is not None else "-" for key in ("peak_gpu_gib", "host_peak_rss_gib")]
-        print(f"| {name} | {r['tokens_per_s']:,.0f}{spread} | {ratio} | {paired} | {gib[0]} | {gib[1]} |")
+    print("\n" + markdown_table(results, base_name))
     save(args, results)
     print(f"results: {args.out}")
 

@@ -1,4 +1,5 @@
-"""Turn every bench/results/*.json (bench_train.py's and bench_fsdp2.py's) into one markdown section.
+"""Turn every bench/results/*.json into markdown: bench_train.py's and bench_fsdp2.py's runs,
+then bench_stock.py's (torchtune's stock recipes) and qlora_ab.py's.
 
     python bench/report.py                # prints markdown for the README
     python bench/report.py --results DIR  # another folder
@@ -11,6 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fsdp2  # noqa: E402
+import bench_stock  # noqa: E402
 from bench_train import describe, markdown_table, reference_line  # noqa: E402
 
 ORDER = {"tiny": 0, "llama3_2_1b": 1, "llama3_1_8b": 2}
@@ -28,8 +30,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    runs = [json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))]
-    runs = [run for run in runs if "args" in run]  # training runs (not bench/pinning.py's)
+    saved = {p.name: json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))}
+    runs = [run for run in saved.values() if "args" in run]  # training runs (not bench/pinning.py's)
     print("## Benchmarks\n")
     print("Random-init torchtune models in bf16, random tokens, torchtune's chunked "
           "cross-entropy; step time is the synchronized mean after warm-up steps, peak GPU "
@@ -54,6 +56,38 @@ def main() -> None:
               f"commit {(run.get('git_commit') or '?')[:10]}"
               + (f" ({run['code_note']})" if run.get("code_note") else "")
               + (f"; {run['machine']}" if run.get("machine") else "") + "</sub>\n")
+    print_stock_runs(saved)
+
+
+def print_stock_runs(saved: dict) -> None:
+    """bench_stock.py's tables (one per file, in name order) and qlora_ab.py's ratios."""
+    print("## torchtune's stock recipes\n")
+    print("Produced by `bench/bench_stock.py`: torchtune's recipes run by `tune run` with "
+          "random-init checkpoints and local data; tokens/s is the recipe's own, averaged "
+          "after the warmup steps over the repeats; the per-step ratio pairs each step with "
+          "the baseline's same step.\n")
+    for name, saved_run in saved.items():
+        if saved_run.get("kind") != "stock":
+            continue
+        settings, results = saved_run["settings"], saved_run["results"]
+        base = bench_stock.baseline(settings["job"], results)
+        if all("repeats" in r for r in results.values()):
+            bench_stock.summarize(results, base, int(settings.get("warmup", 2)))
+        cap = f", GPU capped at {settings['gpu_gib']} GiB" if settings.get("gpu_gib") not in (None, "None") else ""
+        print(f"### {name}: {settings['job']}, {settings['model']}, {settings['steps']} steps, "
+              f"warmup {settings['warmup']}, repeats {settings.get('repeats', 1)}{cap}\n")
+        print(bench_stock.markdown_table(results, base) + "\n")
+    turns = {name: r for name, r in saved.items() if "blocks" in r and "ours" in r}
+    if turns:
+        print("## 1B QLoRA, both optimizers taking turns in one process\n")
+        print("Produced by `bench/qlora_ab.py`: mean step of each, and ours' speed against "
+              "torch's fused AdamW on the GPU.\n")
+        print("| file | turns | torch AdamW, mean step ms | ours, mean step ms | ours vs torch (speed) |")
+        print("|---|---|---|---|---|")
+        for name, r in turns.items():
+            print(f"| {name} | {len(r['ours']['turn_time_ratios'])} | {r['torch_adamw']['mean_step_s'] * 1e3:.1f} | "
+                  f"{r['ours']['mean_step_s'] * 1e3:.1f} | {r['ours']['speed_vs_torch_adamw']:.3f}x |")
+        print()
 
 
 if __name__ == "__main__":

@@ -116,10 +116,17 @@ def test_host_update_rate_and_report_run(tmp_path):
     report = subprocess.run([sys.executable, str(REPO / "bench" / "report.py")],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0, report.stderr[-2000:]
-    # Every committed training result appears (not other benchmarks'), with its ratio column.
-    runs = [p for p in (REPO / "bench" / "results").glob("*.json") if "args" in json.loads(p.read_text())]
+    # Every committed training result and stock-recipe result appears (not other
+    # benchmarks'), with its ratio column; the stock runs' ratios are over their baseline.
+    saved = [json.loads(p.read_text()) for p in (REPO / "bench" / "results").glob("*.json")]
+    runs = [r for r in saved if "args" in r or r.get("kind") == "stock"]
     assert report.stdout.count("### ") == len(runs)
     assert "| gpu_adamw |" in report.stdout
+    rounds = report.stdout.split("### 2026-12-02-s22-stock-1b-full-rounds.json")[1].split("###")[0]
+    assert "| ours_recipe | 5,660 (5,167, 5,586, 6,227) | 1.00x | 1.000 |" in rounds
+    assert "| ours_stock | 6,365 (5,065, 7,238, 6,793) | 1.12x |" in rounds
+    turns = [r for r in saved if "blocks" in r and "ours" in r]
+    assert report.stdout.count("qlora_ab-") == len(turns) > 0
 
 
 FSDP2_OPTIMIZERS = ["fsdp_gpu_adamw", "offload_grads_nomaster", "offload_grads", "fsdp_cpu_offload_policy"]
