@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Union
 
 import torch
 from torch import nn
-from torchtune import training
+from torchtune import training, utils
 
 from offload_plugin.optimizer import CPUOffloadOptimizer
 
@@ -395,3 +395,8 @@ def save_checkpoint_atomically(checkpointer, state_dict: Dict[str, object], epoc
     os.replace(partial, complete)  # the commit point
     _fsync_path(output_dir)
     _publish(complete, output_dir)
+    # torchtune's own lines name the staging folder; say where the files are now.
+    utils.get_logger().info(
+        f"Checkpoint of epoch {epoch} moved into place in {output_dir} (written first to "
+        f"{partial.name}, named above, so that a kill mid-save keeps the previous one)."
+    )

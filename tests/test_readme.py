@@ -89,9 +89,13 @@ def test_quick_start_has_two_commands_and_ci_runs_the_test_one():
 def test_demo_quick_start_trains(tmp_path):
     """The demo command (after its install steps) prepares the data and the loss falls."""
     demo = _commands()[0]
-    _run(_without_setup(demo), REPO, tmp_path)
+    proc = _run(_without_setup(demo), REPO, tmp_path)
     losses = _losses("/tmp/offload-plugin/tiny_qlora_offload/logs")
     assert len(losses) >= 100 and sum(losses[-10:]) < sum(losses[:10]), losses
+    # The checkpoint's final place is named (torchtune's lines name the staging folder).
+    where = Path("/tmp/offload-plugin/tiny_qlora_offload")
+    assert f"Checkpoint of epoch 0 moved into place in {where}" in proc.stdout + proc.stderr
+    assert (where / "epoch_0" / "adapter_model.pt").is_file()
 
 
 def _local_commands():
