@@ -264,7 +264,9 @@ class StreamedUpdate:
             steps = self._device_steps.cpu()
             self._host_counts = steps.tolist()
             state = self._opt._host_optimizer.state
-            for slot in self._opt._slots:
+            # Only the slots the device counts cover: a group added since has none there
+            # (its state, made by the next step's plan, holds its own counts until then).
+            for slot in self._opt._slots.ordered[:len(steps)]:
                 entry = state.get(slot.master)
                 if entry and "step" in entry:
                     entry["step"].copy_(steps[slot.order])

@@ -1,0 +1,65 @@
+"""Things a user can do between steps of the streamed update (offload_plugin.streamed, the
+default on a GPU), here on its CPU twin (``streamed._ON_CPU``) against torch's
+``AdamW(fused=True)`` on the CPU, bit for bit: where torch works, ours gives the same bits;
+where torch raises, ours raises a clear error with nothing changed (weights, moments, step
+counts), so that training continues as if the call had not been made. test_adversarial.py
+holds the same for the host update."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from offload_plugin import CPUOffloadOptimizer, streamed
+from test_adversarial import _backward, _step  # (inputs of 8 features, targets of 4)
+
+LR = 1e-2
+
+
+@pytest.fixture(autouse=True)
+def _streamed_on_cpu(monkeypatch):
+    monkeypatch.setattr(streamed, "_ON_CPU", True)
+    # The 32x32 weight goes in ranges (see test_streamed.py).
+    monkeypatch.setattr(streamed, "CHUNK_NUMEL", 640)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def _twins(params=lambda m: m.parameters(), **kwargs):
+    kwargs = dict(dict(lr=LR, weight_decay=0.1), **kwargs)
+    ref_model = _model()
+    ours_model = copy.deepcopy(ref_model)
+    ref = torch.optim.AdamW(params(ref_model), fused=True, **kwargs)
+    ours = CPUOffloadOptimizer(params(ours_model), **kwargs)
+    assert ours._streamed is not None
+    return (ref_model, ref), (ours_model, ours)
+
+
+def _assert_same(ref_model, ref, ours_model, ours):
+    for (name, p), q in zip(ref_model.named_parameters(), ours_model.parameters()):
+        assert torch.equal(p, q), name
+    for (name, p), q in zip(ref_model.named_parameters(), ours_model.parameters()):
+        assert (p in ref.state) == (q in ours.state), name
+        for key, value in ref.state.get(p, {}).items():
+            assert torch.equal(ours.state[q][key], value), (name, key)
+
+
+def test_group_added_after_a_step_steps_without_a_state_read_between():
+    """``add_param_group`` after a step, then the next step with no read of the state in
+    between: the step crashed with IndexError (the host counts were brought up to date
+    for every slot, the new group's too, from device counts that cover only the old
+    ones). It must continue as torch's AdamW, the new group at its own hyperparameters."""
+    (ref_model, ref), (ours_model, ours) = _twins(lambda m: m[0].parameters())
+    for i in range(5):
+        for model, opt in ((ref_model, ref), (ours_model, ours)):
+            if i == 2:
+                opt.add_param_group({"params": list(model[2].parameters()), "lr": 3e-3, "betas": (0.8, 0.9)})
+            if i == 3:
+                opt.add_param_group({"params": list(model[4].parameters()), "lr": torch.tensor(5e-3),
+                                     "weight_decay": 0.3, "maximize": True})
+            _step(model, opt, i)
+    _assert_same(ref_model, ref, ours_model, ours)
