@@ -60,9 +60,13 @@ def check_hyperparameters(index: int, group: dict) -> None:
     bad = [key for key in ("lr", "eps", "weight_decay") if not number(group.get(key))]
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(map(number, betas))):
         bad.append("betas")
+    # (the kernels take True or False alone, not 1; CompactAdamW's groups have no maximize)
+    if not isinstance(group.get("maximize", False), bool):
+        bad.append("maximize")
     if bad:
         key = bad[0]
-        needs = "a pair of numbers" if key == "betas" else "a number (or a one-element tensor)"
+        needs = {"betas": "a pair of numbers", "maximize": "True or False"}.get(
+            key, "a number (or a one-element tensor)")
         raise TypeError(
             f"param_groups[{index}][{key!r}] is {group.get(key)!r:.60}; the update needs {needs}. "
             "Set it to a valid value before the next step(); nothing was updated."

@@ -44,7 +44,7 @@ import torch
 
 from offload_plugin.host_buffers import HostSlot, back_to_back
 from offload_plugin.gradients import check_dense
-from offload_plugin.host_update import _adam_state
+from offload_plugin.host_update import _adam_state, check_hyperparameters
 
 __all__ = ["eligible", "StagingRing", "StreamedUpdate"]
 
@@ -342,12 +342,17 @@ class StreamedUpdate:
                     "set .grad to a tensor like the parameter. Nothing was updated.")
             if not g.is_contiguous():
                 grads[i] = g.contiguous()
-        opt._scaling.apply_clip_now(grads)
         groups = opt.param_groups
         if any(g.get("amsgrad") for g in groups):
             raise ValueError(
                 "CPUOffloadOptimizer: amsgrad was turned on after the optimizer was built; "
                 "pass amsgrad=True when building it.")
+        # Groups are the user's to edit between steps: a value the kernel refuses would
+        # raise from it after the step counts advanced (torch's fused AdamW too), or inside
+        # a backward's flush with other optimizers' steps. Refused here, nothing changed.
+        for index, group in enumerate(groups):
+            check_hyperparameters(index, group)
+        opt._scaling.apply_clip_now(grads)
         if plan is None:
             plan = self._plans[key] = self._plan(stepping)
         ring = plan.ring

@@ -181,6 +181,7 @@ _BAD_HYPER = {
     "beta None": ("betas", (0.9, None)),
     "eps string": ("eps", "x"),
     "weight_decay None": ("weight_decay", None),
+    "maximize None": ("maximize", None),
 }
 
 

@@ -63,3 +63,65 @@ def test_group_added_after_a_step_steps_without_a_state_read_between():
                                      "weight_decay": 0.3, "maximize": True})
             _step(model, opt, i)
     _assert_same(ref_model, ref, ours_model, ours)
+
+
+def _snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            {i: {k: v.clone() for k, v in entry.items()} for i, entry in opt.state_dict()["state"].items()})
+
+
+def _assert_unchanged(model, opt, snapshot):
+    weights, state = snapshot
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+    now = opt.state_dict()["state"]
+    assert now.keys() == state.keys()
+    for index, entry in state.items():
+        for key, value in entry.items():
+            assert torch.equal(now[index][key], value), (index, key)
+
+
+_BAD_HYPER = {
+    "lr None": ("lr", None),
+    "lr string": ("lr", "0.01"),
+    "lr 2-element tensor": ("lr", torch.tensor([1e-2, 1e-3])),
+    "betas of one": ("betas", (0.9,)),
+    "beta None": ("betas", (0.9, None)),
+    "eps string": ("eps", "x"),
+    "eps 2-element tensor": ("eps", torch.tensor([1e-8, 1e-8])),
+    "weight_decay None": ("weight_decay", None),
+    "maximize None": ("maximize", None),
+    "maximize 1": ("maximize", 1),
+}
+
+
+@pytest.mark.parametrize("case", list(_BAD_HYPER))
+def test_unusable_hyperparameter_between_steps_is_refused_before_anything_changes(case):
+    """A hyperparameter torch's fused AdamW refuses, set in ``param_groups`` between steps:
+    the streamed update raised torch's kernel's TypeError ("received an invalid combination
+    of arguments") after it had advanced every step count (and updated the units before the
+    failing group's), so that after putting the value right training no longer matched
+    torch's. It must say which entry and what it needs, before anything changes."""
+    key, value = _BAD_HYPER[case]
+    probe_model = _model()
+    probe = torch.optim.AdamW(probe_model.parameters(), lr=LR, fused=True)
+    _step(probe_model, probe, 0)
+    probe.param_groups[0][key] = value
+    with pytest.raises((TypeError, ValueError, RuntimeError)):  # torch refuses it too
+        _step(probe_model, probe, 1)
+
+    (ref_model, ref), (ours_model, ours) = _twins()
+    for model, opt in ((ref_model, ref), (ours_model, ours)):
+        _step(model, opt, 0)
+    before = _snapshot(ours_model, ours)
+    good = ours.param_groups[0][key]
+    ours.param_groups[0][key] = value
+    _backward(ours_model, 1)
+    with pytest.raises((TypeError, ValueError), match=f"param_groups\\[0\\]\\['{key}'\\]"):
+        ours.step()
+    ours.param_groups[0][key] = good
+    _assert_unchanged(ours_model, ours, before)
+    ours.zero_grad()
+    for i in (2, 3):  # the reference never saw the bad value
+        _step(ref_model, ref, i)
+        _step(ours_model, ours, i)
+    _assert_same(ref_model, ref, ours_model, ours)
