@@ -208,6 +208,8 @@ class _Plan:
     units: list
     ring: StagingRing
     steps: list  # each slot's step count on the device (views of one tensor)
+    params: list = dataclasses.field(default_factory=list)  # the slots' parameters
+    data_ptrs: list = dataclasses.field(default_factory=list)  # their memory when the units were cut
 
 
 @dataclasses.dataclass(eq=False)
@@ -328,8 +330,8 @@ class StreamedUpdate:
         if not grads:
             return
         plan = self._plans.get(key)
-        if plan is not None and not _moments_unchanged(plan):
-            self._plans.clear()  # (moments replaced in a state dict: cut the spans anew)
+        if plan is not None and not (_moments_unchanged(plan) and _params_unmoved(plan)):
+            self._plans.clear()  # (moments replaced in a state dict, or weights: cut anew)
             plan = None
         stepping = plan.slots if plan is not None else [s for s, has in zip(slots, key) if has]
         for i, (g, slot) in enumerate(zip(grads, stepping)):
@@ -373,6 +375,19 @@ class StreamedUpdate:
 
     def _plan(self, slots: list[HostSlot]) -> _Plan:
         opt = self._opt
+        for slot in slots:
+            # The state is keyed and checked by the slot's placeholder, shaped as the
+            # parameter was when given: one converted since (``p.data = t``, module.to())
+            # would meet moments of the old dtype or size in the kernel, after the counts
+            # advanced (torch's fused AdamW raises there too).
+            p, was = slot.param, slot.master
+            if p.dtype != was.dtype or p.shape != was.shape:
+                raise ValueError(
+                    f"CPUOffloadOptimizer: a parameter given as {was.dtype} of shape {tuple(was.shape)} "
+                    f"is now {p.dtype} of shape {tuple(p.shape)} (its .data was replaced, e.g. by "
+                    "module.to()); its optimizer state is of the old kind. Convert it back before "
+                    "the next step(), or build the optimizer after converting the model. Nothing "
+                    "was updated.")
         for slot in slots:  # the state torch's fused AdamW creates at a parameter's first step
             _adam_state(opt._host_optimizer, slot, False)
         groups = {id(p): g for g in opt.param_groups for p in g["params"]}
@@ -387,7 +402,9 @@ class StreamedUpdate:
             ring.reserve(unit.exp_avg.dtype, unit.numel)
         entries = [opt._host_optimizer.state[s.master] for s in slots]
         moments = [(e["exp_avg"], e["exp_avg_sq"]) for e in entries]
-        return _Plan(slots, entries, moments, units, ring, self._steps_of(slots))
+        params = [s.param for s in slots]
+        return _Plan(slots, entries, moments, units, ring, self._steps_of(slots), params,
+                     list(map(torch.Tensor.data_ptr, params)))
 
     # ------------------------------------------------------------------ bookkeeping
     def _steps_of(self, slots: list[HostSlot]) -> list[torch.Tensor]:
@@ -516,6 +533,14 @@ def _moments_unchanged(plan: _Plan) -> bool:
     (``optimizer.state[p]["exp_avg"] = ...`` replaces one)."""
     return all(e["exp_avg"] is m and e["exp_avg_sq"] is v
                for e, (m, v) in zip(plan.entries, plan.moments))
+
+
+def _params_unmoved(plan: _Plan) -> bool:
+    """Whether each stepping parameter still has the memory the plan's units were cut from:
+    ``p.data = t`` (``module.to()`` does it) gives it new memory, which torch's AdamW
+    updates (or refuses, for another dtype); the units' views would go on updating the old.
+    (One C-level pass: about 0.1 us a parameter.)"""
+    return list(map(torch.Tensor.data_ptr, plan.params)) == plan.data_ptrs
 
 
 def _hyperparameters(group: dict, host_optimizer) -> tuple:

@@ -125,3 +125,48 @@ def test_unusable_hyperparameter_between_steps_is_refused_before_anything_change
         _step(ref_model, ref, i)
         _step(ours_model, ours, i)
     _assert_same(ref_model, ref, ours_model, ours)
+
+
+@pytest.mark.parametrize("layer", [2, 4], ids=["in ranges", "whole"])
+def test_parameter_data_replaced_between_steps_is_what_the_next_step_updates(layer):
+    """``p.data = t`` between steps (what ``module.to()`` and many init or loading helpers
+    do): torch's AdamW updates the parameter's new memory. The streamed update kept
+    updating views of the old memory cut when it planned the step, so the parameter was
+    silently never updated again."""
+    (ref_model, ref), (ours_model, ours) = _twins()
+    for i in range(4):
+        for model, opt in ((ref_model, ref), (ours_model, ours)):
+            if i == 2:
+                weight = model[layer].weight
+                weight.data = weight.detach() * 0.5  # new memory, same shape and dtype
+            _step(model, opt, i)
+    _assert_same(ref_model, ref, ours_model, ours)
+
+
+def test_parameter_converted_to_another_dtype_between_steps_is_refused_changing_nothing():
+    """``module.to(torch.bfloat16)`` after steps assigns each parameter's ``.data``: torch's
+    fused AdamW then raises (its float32 moments do not match the bf16 weight). Ours raised
+    the kernel's RuntimeError after advancing every step count; it must raise a clear error
+    saying what to do before anything changes."""
+    model = _model()
+    probe = copy.deepcopy(model)
+    probe_opt = torch.optim.AdamW(probe.parameters(), lr=LR, fused=True)
+    _step(probe, probe_opt, 0)
+    probe[4].to(torch.bfloat16)
+    for p in probe.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError):  # torch refuses it too
+        probe_opt.step()
+
+    opt = CPUOffloadOptimizer(model.parameters(), lr=LR)
+    _step(model, opt, 0)
+    before = _snapshot(model, opt)
+    kept = [(p, p.data) for p in model[4].parameters()]
+    model[4].to(torch.bfloat16)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="given as torch.float32 of shape .4, 32. is now torch.bfloat16"):
+        opt.step()
+    for p, data in kept:  # (converting back would round the weights through bf16)
+        p.data = data
+    _assert_unchanged(model, opt, before)
