@@ -249,6 +249,12 @@ class StreamedUpdate:
         self._verdict: Optional[_Verdict] = None
         self._queued_on: Optional[StagingRing] = None  # a step of ours waits in its queue
 
+    def still_applies(self) -> bool:
+        """Whether every group still asks for the fused kernel: ``fused`` set to False (or
+        None) between steps makes torch's AdamW go on with its for-loop, other bits; the
+        host update then takes over, as building with that setting gives (see eligible)."""
+        return all(g.get("fused") for g in self._opt.param_groups)
+
     # ------------------------------------------------------------------ host view
     def settle(self, for_user: bool = False) -> None:
         """Bring the host state up to date: send a queued step to the GPU, wait for the

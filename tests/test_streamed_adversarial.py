@@ -170,3 +170,19 @@ def test_parameter_converted_to_another_dtype_between_steps_is_refused_changing_
     for p, data in kept:  # (converting back would round the weights through bf16)
         p.data = data
     _assert_unchanged(model, opt, before)
+
+
+@pytest.mark.parametrize("fused", [False, None])
+def test_fused_switched_off_between_steps_continues_as_torch(fused):
+    """``param_groups[0]["fused"] = False`` (or None) after steps: torch's AdamW goes on with
+    its for-loop implementation, whose bits differ from the fused kernel's. The streamed
+    update went on with the fused kernel (a silent difference); it must continue as torch
+    does, as the host update (what building with fused=False gives) does."""
+    (ref_model, ref), (ours_model, ours) = _twins()
+    for i in range(4):
+        for model, opt in ((ref_model, ref), (ours_model, ours)):
+            if i == 1:
+                opt.param_groups[0]["fused"] = fused
+            _step(model, opt, i)
+    _assert_same(ref_model, ref, ours_model, ours)
+

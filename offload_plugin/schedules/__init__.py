@@ -93,6 +93,8 @@ def choose_overlap(opt, grad_scale: Optional[float], clipping: bool, early: bool
 
 def run_step(opt) -> None:
     """step(): the schedule overlap_next_step chose, or the one the options give."""
+    if opt._streamed is not None and not opt._streamed.still_applies():
+        opt._stop_streaming()  # (a group's fused was switched off: the host update from now on)
     if opt._streamed is not None:  # (never with overlap_next_step: no offloaded gradients)
         opt._streamed.step(in_backward=torch._C._current_graph_task_id() != -1)
         return
