@@ -355,6 +355,12 @@ class StreamedUpdate:
             raise ValueError(
                 "CPUOffloadOptimizer: amsgrad was turned on after the optimizer was built; "
                 "pass amsgrad=True when building it.")
+        for index, group in enumerate(groups):
+            if group.get("differentiable"):  # (torch's fused AdamW raises before any change too)
+                raise ValueError(
+                    f"param_groups[{index}]['differentiable'] is True, which the fused update "
+                    "cannot take (torch's fused AdamW refuses it too): set it back to False, or "
+                    "set 'fused' to False as well. Nothing was updated.")
         # Groups are the user's to edit between steps: a value the kernel refuses would
         # raise from it after the step counts advanced (torch's fused AdamW too), or inside
         # a backward's flush with other optimizers' steps. Refused here, nothing changed.

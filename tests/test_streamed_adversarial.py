@@ -186,3 +186,30 @@ def test_fused_switched_off_between_steps_continues_as_torch(fused):
             _step(model, opt, i)
     _assert_same(ref_model, ref, ours_model, ours)
 
+
+def test_differentiable_switched_on_between_steps_is_refused_changing_nothing():
+    """``param_groups[0]["differentiable"] = True`` after steps: torch's fused AdamW raises
+    ("does not support differentiable=True") before changing anything; the streamed update
+    ignored it. It must raise, saying what to do, with nothing changed."""
+    probe_model = _model()
+    probe = torch.optim.AdamW(probe_model.parameters(), lr=LR, fused=True)
+    _step(probe_model, probe, 0)
+    probe.param_groups[0]["differentiable"] = True
+    with pytest.raises(RuntimeError, match="differentiable"):  # torch refuses it
+        _step(probe_model, probe, 1)
+
+    (ref_model, ref), (ours_model, ours) = _twins()
+    for model, opt in ((ref_model, ref), (ours_model, ours)):
+        _step(model, opt, 0)
+    before = _snapshot(ours_model, ours)
+    ours.param_groups[0]["differentiable"] = True
+    _backward(ours_model, 1)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['differentiable'\]"):
+        ours.step()
+    _assert_unchanged(ours_model, ours, before)
+    ours.zero_grad()
+    ours.param_groups[0]["differentiable"] = False
+    for i in (2, 3):
+        _step(ref_model, ref, i)
+        _step(ours_model, ours, i)
+    _assert_same(ref_model, ref, ours_model, ours)
