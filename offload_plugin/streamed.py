@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import os
 from contextlib import nullcontext
@@ -47,6 +48,8 @@ from offload_plugin.gradients import check_dense
 from offload_plugin.host_update import _adam_state, check_hyperparameters
 
 __all__ = ["eligible", "StagingRing", "StreamedUpdate"]
+
+log = logging.getLogger(__name__)
 
 # Elements per staging buffer: a copy of 16 MiB (bf16) takes ~0.3 ms at the H200 machine's
 # 55 GB/s each way, far above a copy's fixed cost, and the ring (RING_SIZE buffers of two
@@ -252,8 +255,17 @@ class StreamedUpdate:
     def still_applies(self) -> bool:
         """Whether every group still asks for the fused kernel: ``fused`` set to False (or
         None) between steps makes torch's AdamW go on with its for-loop, other bits; the
-        host update then takes over, as building with that setting gives (see eligible)."""
-        return all(g.get("fused") for g in self._opt.param_groups)
+        host update then takes over, as building with that setting gives (see eligible).
+        (A state dict of torch's AdamW built without fused=True loads fused=None.)"""
+        for index, group in enumerate(self._opt.param_groups):
+            if not group.get("fused"):
+                log.warning(
+                    "CPUOffloadOptimizer: param_groups[%d]['fused'] is %r (set by hand, or loaded "
+                    "from a state dict), so torch's AdamW would go on with its for-loop: the update "
+                    "runs on the host from now on, no longer streamed (keep 'fused' True to stay "
+                    "streamed).", index, group.get("fused"))
+                return False
+        return True
 
     # ------------------------------------------------------------------ host view
     def settle(self, for_user: bool = False) -> None:

@@ -173,7 +173,7 @@ def test_parameter_converted_to_another_dtype_between_steps_is_refused_changing_
 
 
 @pytest.mark.parametrize("fused", [False, None])
-def test_fused_switched_off_between_steps_continues_as_torch(fused):
+def test_fused_switched_off_between_steps_continues_as_torch(fused, caplog):
     """``param_groups[0]["fused"] = False`` (or None) after steps: torch's AdamW goes on with
     its for-loop implementation, whose bits differ from the fused kernel's. The streamed
     update went on with the fused kernel (a silent difference); it must continue as torch
@@ -185,6 +185,8 @@ def test_fused_switched_off_between_steps_continues_as_torch(fused):
                 opt.param_groups[0]["fused"] = fused
             _step(model, opt, i)
     _assert_same(ref_model, ref, ours_model, ours)
+    assert ours._streamed is None
+    assert "the update runs on the host from now on" in caplog.text
 
 
 def test_differentiable_switched_on_between_steps_is_refused_changing_nothing():
