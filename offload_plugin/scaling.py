@@ -61,6 +61,18 @@ class ClipNorms:
         self.norms[grad] = torch._foreach_norm([grad], 2.0)[0]
 
 
+def factor_on(device: torch.device, factor: Union[float, torch.Tensor]) -> torch.Tensor:
+    """``factor`` as a one-element fp32 tensor on ``device`` (the value
+    ``torch.as_tensor(factor, dtype=torch.float32)`` has), without waiting for the device.
+    Recipes count tokens on the host, so ``1 / num_tokens`` is a CPU tensor, and copying it
+    to a GPU with ``.to()`` is a blocking copy: the host would wait for the whole backward
+    before it could queue the step. A fill takes the value as a kernel argument instead."""
+    if isinstance(factor, torch.Tensor) and factor.device.type != "cpu":
+        return factor.to(device=device, dtype=torch.float32).reshape(1)
+    value = float(torch.as_tensor(factor, dtype=torch.float32))  # (rounded to fp32 once)
+    return torch.full((1,), value, dtype=torch.float32, device=device)
+
+
 class Scaling:
     """One optimizer's gradient scale, clip and inf/NaN verdict."""
 
@@ -94,7 +106,7 @@ class Scaling:
             by_device.setdefault(g.device, []).append(g)
         found, known = torch.zeros(1), True
         for device, group in by_device.items():
-            scale = torch.as_tensor(factor, dtype=torch.float32).reshape(1).to(device)
+            scale = factor_on(device, factor)
             if device.type == "cpu":
                 # Multiplies like `g *= factor` (bit for bit) and flags inf/NaN in one pass.
                 torch._amp_foreach_non_finite_check_and_unscale_(group, found, scale)

@@ -279,7 +279,8 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
         metrics = {}
         if self._clip_grad_norm is not None:
             grad_norm = recipe_utils.clip_grad_norm(self._model, self._optimizer, float(self._clip_grad_norm))
-            metrics["grad_norm"] = grad_norm.item()
+            # Read when logged: an .item() here would hold the step until backward ends.
+            metrics["grad_norm"] = grad_norm
         t0 = time.perf_counter()
         self._optimizer.step()
         metrics["optimizer_step_s"] = time.perf_counter() - t0
@@ -336,7 +337,7 @@ class FullFinetuneRecipeSingleDevice(FTRecipeInterface):
                             "loss": loss_to_log,
                             "lr": training.get_lr(self._optimizers[0]),
                             "tokens_per_second_per_gpu": num_tokens.item() / (time.perf_counter() - t0),
-                            **step_metrics,
+                            **{key: float(value) for key, value in step_metrics.items()},
                             **self._optimizer_metrics(),
                         }
                         if self._log_peak_memory:

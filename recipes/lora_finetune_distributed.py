@@ -439,7 +439,8 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
             grad_norm = recipe_utils.clip_grad_norm(self._model, self._optimizer, float(self._clip_grad_norm))
             if isinstance(grad_norm, DTensor):  # torch's clip over FSDP2 gradients: the global norm, replicated
                 grad_norm = grad_norm.full_tensor()
-            metrics["grad_norm"] = grad_norm.item()
+            # Read when logged: an .item() here would hold the step until backward ends.
+            metrics["grad_norm"] = grad_norm
         t0 = time.perf_counter()
         self._optimizer.step()
         metrics["optimizer_step_s"] = time.perf_counter() - t0
@@ -490,7 +491,7 @@ class LoRAFinetuneRecipeDistributed(FTRecipeInterface):
                             "lr": training.get_lr(self._optimizer),
                             "tokens_per_second_per_gpu": num_tokens.item()
                             / ((time.perf_counter() - t0) * self.world_size),
-                            **step_metrics,
+                            **{key: float(value) for key, value in step_metrics.items()},
                             **recipe_utils.optimizer_metrics(self._optimizer),  # rank 0's share
                         }
                         if self._log_peak_memory:

@@ -226,3 +226,28 @@ def test_stock_lora_recipes_plain_step_judges_on_the_way_from_the_first_step(mon
         opt.step()
         opt.zero_grad(set_to_none=True)
     assert separate == [], separate
+
+
+def test_gpu_scale_grads_by_a_host_count_does_not_wait_for_the_gpu():
+    """Our recipes count tokens on the host, so ``1 / num_tokens`` is a CPU tensor: scaling by
+    it must not be a blocking copy (the host would wait for backward before queueing the
+    step), and must give torchtune's scale_grads' bits."""
+    from torchtune import training
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8)).cuda().to(torch.bfloat16)
+    twin = copy.deepcopy(model)
+    opt = offload(model)
+    x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+    for m in (model, twin):
+        m(x).float().square().sum().backward()
+    num_tokens = torch.tensor(37)  # on the host, as our recipes count it
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.scale_grads(1 / num_tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    training.scale_grads(twin, 1 / num_tokens.cuda())
+    for a, b in zip(trainable(model), trainable(twin)):
+        assert torch.equal(a.grad, b.grad)

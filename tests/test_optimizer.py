@@ -764,3 +764,17 @@ def test_nonfinite_warning_counts_only_the_bad_gradients(caplog):
     model[4].bias.grad[0] = float("nan")
     opt.step()
     assert "1 of 4 parameters had an inf or NaN gradient" in caplog.text
+
+
+@pytest.mark.parametrize("factor", [1 / 3, torch.tensor(1.0) / torch.tensor(7), 1 / torch.tensor(7),
+                                    torch.tensor(1 / 3, dtype=torch.float64), torch.tensor([0.125])])
+def test_scale_factor_is_built_on_the_device_with_the_value_torch_would_copy(factor):
+    """scale_grads' factor (a Python number or a CPU tensor, as recipes that count tokens on
+    the host pass it) becomes the fp32 value a copy would give, made where the gradients are
+    (tests/test_gpu.py checks that no copy waits for the GPU there)."""
+    from offload_plugin.scaling import factor_on
+
+    made = factor_on(torch.device("cpu"), factor)
+    expected = torch.as_tensor(factor, dtype=torch.float32).reshape(1)
+    assert made.dtype == torch.float32 and made.shape == (1,)
+    assert torch.equal(made.view(torch.int32), expected.view(torch.int32))
