@@ -51,13 +51,15 @@ def check_hyperparameters(index: int, group: dict) -> None:
     (some only after advancing its step counts); here the update would raise from the
     worker after updating other slots, or take ``lr="0.01"`` as 0.01, which torch refuses.
     """
-    def number(value) -> bool:
+    def number(value, zero_dim: bool = False) -> bool:
         if isinstance(value, torch.Tensor):
-            return value.numel() == 1 and not value.is_complex()
+            return value.numel() == 1 and not value.is_complex() and (value.dim() == 0 or not zero_dim)
         return isinstance(value, numbers.Real)
 
     betas = group.get("betas")
-    bad = [key for key in ("lr", "eps", "weight_decay") if not number(group.get(key))]
+    bad = [key for key in ("lr", "eps", "weight_decay")
+           # (the kernels take eps and weight_decay as numbers: a tensor([0.1]) is refused there)
+           if not number(group.get(key), zero_dim=key != "lr")]
     if not (isinstance(betas, (list, tuple)) and len(betas) == 2 and all(map(number, betas))):
         bad.append("betas")
     # (the kernels take True or False alone, not 1; CompactAdamW's groups have no maximize)
@@ -66,7 +68,7 @@ def check_hyperparameters(index: int, group: dict) -> None:
     if bad:
         key = bad[0]
         needs = {"betas": "a pair of numbers", "maximize": "True or False"}.get(
-            key, "a number (or a one-element tensor)")
+            key, "a number (or a one-element tensor)" if key == "lr" else "a number (or a 0-dim tensor)")
         raise TypeError(
             f"param_groups[{index}][{key!r}] is {group.get(key)!r:.60}; the update needs {needs}. "
             "Set it to a valid value before the next step(); nothing was updated."

@@ -181,6 +181,8 @@ _BAD_HYPER = {
     "beta None": ("betas", (0.9, None)),
     "eps string": ("eps", "x"),
     "weight_decay None": ("weight_decay", None),
+    "weight_decay 1-element 1-D tensor": ("weight_decay", torch.tensor([0.1])),
+    "eps 1-element 1-D tensor": ("eps", torch.tensor([1e-8])),
     "maximize None": ("maximize", None),
 }
 

@@ -89,6 +89,8 @@ _BAD_HYPER = {
     "eps string": ("eps", "x"),
     "eps 2-element tensor": ("eps", torch.tensor([1e-8, 1e-8])),
     "weight_decay None": ("weight_decay", None),
+    "weight_decay 1-element 1-D tensor": ("weight_decay", torch.tensor([0.1])),
+    "eps 1-element 1-D tensor": ("eps", torch.tensor([1e-8])),
     "maximize None": ("maximize", None),
     "maximize 1": ("maximize", 1),
 }
