@@ -253,18 +253,27 @@ class StreamedUpdate:
         self._queued_on: Optional[StagingRing] = None  # a step of ours waits in its queue
 
     def still_applies(self) -> bool:
-        """Whether every group still asks for the fused kernel: ``fused`` set to False (or
-        None) between steps makes torch's AdamW go on with its for-loop, other bits; the
-        host update then takes over, as building with that setting gives (see eligible).
-        (A state dict of torch's AdamW built without fused=True loads fused=None.)"""
+        """Whether every group still asks for what the fused kernel does here. ``fused`` set
+        to False (or None) between steps makes torch's AdamW go on with its for-loop, other
+        bits; amsgrad=True loaded with its state (a state dict of torch's AdamW(amsgrad=True))
+        makes it go on with amsgrad, which this kernel call has not. The host update then
+        takes over, as building with that setting gives (see eligible). (A state dict of
+        torch's AdamW built without fused=True loads fused=None. amsgrad switched on by hand
+        over state without max_exp_avg_sq stays here: step() refuses it, as torch does.)"""
+        state = self._opt._host_optimizer.state
         for index, group in enumerate(self._opt.param_groups):
             if not group.get("fused"):
-                log.warning(
-                    "CPUOffloadOptimizer: param_groups[%d]['fused'] is %r (set by hand, or loaded "
-                    "from a state dict), so torch's AdamW would go on with its for-loop: the update "
-                    "runs on the host from now on, no longer streamed (keep 'fused' True to stay "
-                    "streamed).", index, group.get("fused"))
-                return False
+                why = f"['fused'] is {group.get('fused')!r}, so torch's AdamW would go on with its for-loop"
+            elif group.get("amsgrad") and all(
+                    "max_exp_avg_sq" in state[m] for m in self._opt._host_optimizer.param_groups[index]["params"]
+                    if state.get(m)):
+                why = "['amsgrad'] is True with its state, so torch's AdamW would go on with amsgrad"
+            else:
+                continue
+            log.warning(
+                "CPUOffloadOptimizer: param_groups[%d]%s (set by hand, or loaded from a state "
+                "dict): the update runs on the host from now on, no longer streamed.", index, why)
+            return False
         return True
 
     # ------------------------------------------------------------------ host view

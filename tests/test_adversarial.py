@@ -148,12 +148,18 @@ def test_unusable_state_assigned_by_hand_is_a_clear_error_changing_nothing(case)
     _assert_same(ref_model, ref, ours_model, ours)
 
 
-def test_amsgrad_switched_on_after_steps_is_a_clear_error_changing_nothing():
+@pytest.mark.parametrize("streaming", [False, True], ids=["host update", "streamed"])
+def test_amsgrad_switched_on_after_steps_is_a_clear_error_changing_nothing(streaming, monkeypatch):
     """``param_groups[0]["amsgrad"] = True`` after the first step: torch's AdamW raises
     KeyError('max_exp_avg_sq') before changing anything. Ours raised it from the host update
     after advancing a step count, so switching amsgrad back and training on diverged from
-    torch. It must say what to do and change nothing."""
+    torch. It must say what to do and change nothing. (The streamed update, on its CPU twin,
+    stays streamed: only amsgrad loaded with its state hands it to the host update.)"""
+    from offload_plugin import streamed
+
+    monkeypatch.setattr(streamed, "_ON_CPU", streaming)
     (ref_model, ref), (ours_model, ours) = _twins()
+    assert (ours._streamed is not None) == streaming
     for model, opt in ((ref_model, ref), (ours_model, ours)):
         _step(model, opt, 0)
         opt.param_groups[0]["amsgrad"] = True
@@ -167,6 +173,7 @@ def test_amsgrad_switched_on_after_steps_is_a_clear_error_changing_nothing():
         for i in (2, 3):
             _step(model, opt, i)
     _assert_same(ref_model, ref, ours_model, ours)
+    assert (ours._streamed is not None) == streaming
 
 
 # ---------------------------------------------------------------- param_groups edits

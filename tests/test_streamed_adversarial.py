@@ -217,3 +217,24 @@ def test_differentiable_switched_on_between_steps_is_refused_changing_nothing():
         _step(ref_model, ref, i)
         _step(ours_model, ours, i)
     _assert_same(ref_model, ref, ours_model, ours)
+
+
+def test_state_dict_of_amsgrad_adamw_loaded_continues_as_torch(caplog):
+    """A state dict of torch's AdamW(amsgrad=True) loaded between steps: torch's AdamW takes
+    its groups' amsgrad=True and goes on with the loaded max_exp_avg_sq. The streamed update
+    (which has no amsgrad) loaded it and then refused every step ("amsgrad was turned on
+    after the optimizer was built"); the host update takes over now, bit for bit torch's."""
+    source_model = _model(seed=1)
+    source = torch.optim.AdamW(source_model.parameters(), lr=LR, fused=True, amsgrad=True)
+    for i in range(2):
+        _step(source_model, source, i)
+    saved = source.state_dict()
+    (ref_model, ref), (ours_model, ours) = _twins()
+    for model, opt in ((ref_model, ref), (ours_model, ours)):
+        _step(model, opt, 0)
+        opt.load_state_dict(copy.deepcopy(saved))
+        for i in (1, 2):
+            _step(model, opt, i)
+    _assert_same(ref_model, ref, ours_model, ours)
+    assert "the update runs on the host from now on" in caplog.text
+
