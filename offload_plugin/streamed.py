@@ -421,6 +421,11 @@ class StreamedUpdate:
                     "module.to()); its optimizer state is of the old kind. Convert it back before "
                     "the next step(), or build the optimizer after converting the model. Nothing "
                     "was updated.")
+            if not p.is_contiguous():  # (the units cut flat views of it; eligible asked once)
+                raise ValueError(
+                    f"CPUOffloadOptimizer: a parameter of shape {tuple(p.shape)} is not contiguous "
+                    "now (its .data was replaced); the streamed update reads parameters as flat "
+                    "memory. Assign a contiguous tensor (t.contiguous()). Nothing was updated.")
         for slot in slots:  # the state torch's fused AdamW creates at a parameter's first step
             _adam_state(opt._host_optimizer, slot, False)
         groups = {id(p): g for g in opt.param_groups for p in g["params"]}

@@ -238,3 +238,27 @@ def test_state_dict_of_amsgrad_adamw_loaded_continues_as_torch(caplog):
     _assert_same(ref_model, ref, ours_model, ours)
     assert "the update runs on the host from now on" in caplog.text
 
+
+
+def test_parameter_data_replaced_by_a_noncontiguous_tensor_is_a_clear_error_changing_nothing():
+    """``w.data = w.t().contiguous().t()`` (the same values, transposed strides): the
+    streamed update cuts flat views of each parameter and failed with "view size is not
+    compatible with input tensor's size and stride" (torch's fused CPU kernel misreads such
+    a weight as flat). It must say what to do, with nothing changed; with the same values
+    made contiguous again training goes on bit for bit as torch's AdamW."""
+    (ref_model, ref), (ours_model, ours) = _twins()
+    for model, opt in ((ref_model, ref), (ours_model, ours)):
+        _step(model, opt, 0)
+    before = _snapshot(ours_model, ours)
+    weight = ours_model[2].weight
+    weight.data = weight.detach().t().contiguous().t()
+    _backward(ours_model, 1)
+    with pytest.raises(ValueError, match="not contiguous"):
+        ours.step()
+    weight.data = weight.detach().contiguous()
+    _assert_unchanged(ours_model, ours, before)
+    ours.zero_grad()
+    for i in (2, 3):
+        _step(ref_model, ref, i)
+        _step(ours_model, ours, i)
+    _assert_same(ref_model, ref, ours_model, ours)
