@@ -289,6 +289,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._pending = delayed.Pending()
         self._in_backward: list[StepPlan] = []  # queued by step()s inside this backward
         self._ungated: dict[int, torch.Tensor] = {}
+        self._membership: list = []  # ids of each group's parameters, as the host groups have them
         self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0,
                         "on_device": 0, "on_device_numel": 0}
 
@@ -381,6 +382,7 @@ class CPUOffloadOptimizer(Optimizer):
             # Leave the optimizer as it was: no group without host copies behind it.
             self.param_groups.pop()
             raise
+        self._membership = [list(map(id, g["params"])) for g in self.param_groups]  # (_check_params_known)
 
     def _attach(self, group: dict[str, Any]) -> None:
         """Create host copies (and hooks) for a group torch has accepted."""
@@ -487,8 +489,11 @@ class CPUOffloadOptimizer(Optimizer):
 
     def _check_params_known(self) -> None:
         """Refuse a tensor put into ``param_groups[i]["params"]`` by hand: torch's optimizers
-        update it from then on, but it has no host copy here and would be left alone."""
-        if all(self._slots.holds_all(group["params"]) for group in self.param_groups):
+        update it from then on, but it has no host copy here and would be left alone. A
+        parameter moved between groups (or the lists reordered) by hand: see _regroup."""
+        # (One C-level pass per group, as holds_all was: the step asks it of every parameter.)
+        membership = [list(map(id, group["params"])) for group in self.param_groups]
+        if membership == self._membership:
             return
         share = self._device_share
         for i, group in enumerate(self.param_groups):
@@ -500,6 +505,36 @@ class CPUOffloadOptimizer(Optimizer):
                         "given: it has no host copy to update. Add parameters with "
                         "optimizer.add_param_group({'params': [...]}) instead."
                     )
+        self._regroup(membership)
+
+    def _regroup(self, membership: list) -> None:
+        """The groups' ``params`` lists were edited by hand, with parameters of this
+        optimizer: torch's optimizers update each with the hyperparameters of the group it
+        is in now. The host optimizer's groups (the host update's) and the streamed
+        update's plans were cut from the old membership: they follow."""
+        ids = [i for group in membership for i in group]
+        if len(set(ids)) != len(ids):
+            raise ValueError(
+                "a parameter is in more than one of param_groups' 'params' lists (torch's "
+                "optimizers would update it once for each): keep each parameter in one group.")
+        if self._device_share is not None:
+            raise ValueError(
+                "param_groups' 'params' lists were edited by hand; with device_fraction the "
+                "groups are split between the device and the host when built, so move "
+                "parameters between groups by building the optimizer with the groups you need.")
+        if len(ids) != len(self._slots):
+            raise ValueError(
+                "a parameter was taken out of param_groups' 'params' lists by hand; "
+                "CPUOffloadOptimizer would go on updating it. Put it back, and to leave it "
+                "alone set its .grad to None (or p.requires_grad_(False) before backward).")
+        self._finish_pending()  # (an update still running reads the host groups)
+        host = self._host_optimizer
+        for group, inner in zip(self.param_groups, host.param_groups):
+            inner["params"] = [slot.master for slot in self._slots.in_order(group["params"])]
+        forget_batches(host)
+        if self._streamed is not None:
+            self._streamed.forget_plans()
+        self._membership = membership
 
     def _check_host_only(self, params: list) -> None:
         """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates bf16 host

@@ -315,6 +315,10 @@ class StreamedUpdate:
                 self.forget_state()
                 return
 
+    def forget_plans(self) -> None:
+        """The groups' members changed (see CPUOffloadOptimizer._regroup): cut the units anew."""
+        self._plans.clear()
+
     def forget_state(self) -> None:
         """The host state was replaced (load_state_dict, ``state[p] = ...``) after a
         settle(): read the step counts and moments from it anew."""

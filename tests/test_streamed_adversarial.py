@@ -262,3 +262,57 @@ def test_parameter_data_replaced_by_a_noncontiguous_tensor_is_a_clear_error_chan
         _step(ref_model, ref, i)
         _step(ours_model, ours, i)
     _assert_same(ref_model, ref, ours_model, ours)
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "host update"])
+def test_parameter_moved_to_another_group_takes_that_groups_hyperparameters(streaming, monkeypatch):
+    """A parameter moved by hand from one group's ``params`` list to another's: torch's
+    AdamW updates it with its new group's lr from then on. Both updates kept the group
+    each parameter had when planned (the streamed update's units, the host optimizer's
+    groups), a silent difference; they follow the groups now."""
+    monkeypatch.setattr(streamed, "ENABLED", streaming)
+
+    def groups(model):
+        return [{"params": list(model[0].parameters())},
+                {"params": [*model[2].parameters(), *model[4].parameters()], "lr": 1e-3}]
+
+    ref_model = _model()
+    ours_model = copy.deepcopy(ref_model)
+    ref = torch.optim.AdamW(groups(ref_model), lr=LR, fused=True)
+    ours = CPUOffloadOptimizer(groups(ours_model), lr=LR)
+    assert (ours._streamed is not None) == streaming
+    for i in range(5):
+        for model, opt in ((ref_model, ref), (ours_model, ours)):
+            if i == 2:
+                opt.param_groups[1]["params"].remove(model[2].weight)
+                opt.param_groups[0]["params"].append(model[2].weight)
+            if i == 3:
+                opt.param_groups[0]["params"].reverse()
+            _step(model, opt, i)
+    _assert_same(ref_model, ref, ours_model, ours)
+    assert ours.state_dict()["param_groups"] == ref.state_dict()["param_groups"]
+
+
+@pytest.mark.parametrize("edit", ["taken out", "in two groups"])
+def test_parameter_taken_out_of_the_groups_or_doubled_is_refused_changing_nothing(edit):
+    """A parameter taken out of every group's list by hand (torch's AdamW then leaves it
+    alone), or put into a second group's list too (torch's updates it twice): both updates
+    went on updating it once, silently. Ours cannot follow (its state and slot stay), so it
+    says so before anything changes."""
+    model = _model()
+    opt = CPUOffloadOptimizer(model.parameters(), lr=LR)
+    opt.add_param_group({"params": [], "lr": 1e-3})
+    _step(model, opt, 0)
+    before = _snapshot(model, opt)
+    if edit == "taken out":
+        assert opt.param_groups[0]["params"].pop(2) is model[2].weight
+    else:
+        opt.param_groups[1]["params"].append(model[2].weight)
+    _backward(model, 1)
+    with pytest.raises(ValueError, match="taken out|more than one"):
+        opt.step()
+    if edit == "taken out":  # (put back where it was)
+        opt.param_groups[0]["params"].insert(2, model[2].weight)
+    else:
+        opt.param_groups[1]["params"].pop()
+    _assert_unchanged(model, opt, before)
