@@ -491,7 +491,7 @@ class CPUOffloadOptimizer(Optimizer):
         """Refuse a tensor put into ``param_groups[i]["params"]`` by hand: torch's optimizers
         update it from then on, but it has no host copy here and would be left alone. A
         parameter moved between groups (or the lists reordered) by hand: see _regroup."""
-        # (One C-level pass per group, as holds_all was: the step asks it of every parameter.)
+        # (One C-level pass per group: the step asks it of every parameter.)
         membership = [list(map(id, group["params"])) for group in self.param_groups]
         if membership == self._membership:
             return

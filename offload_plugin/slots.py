@@ -57,12 +57,6 @@ class SlotTable:
             raise KeyError("not a parameter of this optimizer's slots")
         return slot
 
-    def holds_all(self, params: Iterable[torch.Tensor]) -> bool:
-        """Whether every tensor of ``params`` has a slot, asked by id alone: a slot holds
-        its parameter, so a live tensor with a slot's id is that parameter. (One C-level
-        pass: the step asks it of every parameter.)"""
-        return all(map(self._of.__contains__, map(id, params)))
-
     def get(self, param: torch.Tensor) -> Optional[HostSlot]:
         slot = self._of.get(id(param))
         return slot if slot is not None and slot.param is param else None
