@@ -316,3 +316,35 @@ def test_parameter_taken_out_of_the_groups_or_doubled_is_refused_changing_nothin
     else:
         opt.param_groups[1]["params"].pop()
     _assert_unchanged(model, opt, before)
+
+
+def test_what_the_streamed_update_already_did_as_torch():
+    """The review's other checks, which found the streamed update right (kept as guards):
+    gradients that are None for some parameters in some steps, a layer frozen
+    mid-training and back, ``zero_grad(set_to_none=False)`` and a step over its zeros,
+    each hyperparameter changed between steps per group (lr as a float and as a 0-dim
+    tensor, betas, eps, weight_decay, maximize), groups of float32, bfloat16 and float16,
+    and gradients of other strides (against torch given the same values contiguous:
+    torch's fused CPU kernel reads a gradient's memory as if it were contiguous)."""
+    def groups(model):
+        model[2].to(torch.bfloat16)
+        model[4].to(torch.float16)
+        return [{"params": list(model[i].parameters())} for i in (0, 2, 4)]
+
+    (ref_model, ref), (ours_model, ours) = _twins(groups)
+    changes = {1: (0, "lr", 3e-3), 2: (1, "lr", torch.tensor(2e-3)), 3: (2, "betas", (0.8, 0.95)),
+               4: (0, "eps", 1e-3), 5: (1, "weight_decay", 0.5), 6: (2, "maximize", True)}
+    for i in range(8):
+        for model, opt in ((ref_model, ref), (ours_model, ours)):
+            if i in changes:
+                index, key, value = changes[i]
+                opt.param_groups[index][key] = value
+            model[2].requires_grad_(i not in (3, 4))
+            g = torch.Generator().manual_seed(i)
+            for p in model.parameters():
+                if p.requires_grad and not (i == 2 and p is model[0].bias):
+                    grad = torch.randn(p.shape[::-1], generator=g).to(p.dtype).t()  # (strides reversed)
+                    p.grad = grad.contiguous() if opt is ref else grad
+            opt.step()
+            opt.zero_grad(set_to_none=i % 2 == 1)
+    _assert_same(ref_model, ref, ours_model, ours)
