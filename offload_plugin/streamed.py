@@ -311,7 +311,13 @@ class StreamedUpdate:
         state = self._opt._host_optimizer.state
         for slot in self._opt._slots:
             entry = state.get(slot.master)
-            if entry and "step" in entry and float(entry["step"]) != self._host_counts[slot.order]:
+            if not entry:
+                continue
+            step = entry.get("step")
+            # (a count deleted, or made something the kernel cannot count with: the plan
+            # made anew checks the entry, _check_adam_state, and refuses it as torch does)
+            if (not isinstance(step, torch.Tensor) or step.numel() != 1 or not step.is_floating_point()
+                    or float(step) != self._host_counts[slot.order]):
                 self.forget_state()
                 return
 
@@ -573,7 +579,7 @@ def _verdicts(jobs: list[_Job]) -> tuple[list, torch.Tensor]:
 def _moments_unchanged(plan: _Plan) -> bool:
     """Whether each stepping slot's state still holds the moments the plan was cut from
     (``optimizer.state[p]["exp_avg"] = ...`` replaces one)."""
-    return all(e["exp_avg"] is m and e["exp_avg_sq"] is v
+    return all(e.get("exp_avg") is m and e.get("exp_avg_sq") is v  # (one deleted: re-planned, refused)
                for e, (m, v) in zip(plan.entries, plan.moments))
 
 

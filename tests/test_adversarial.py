@@ -115,16 +115,23 @@ def _spoil(entry, case):
     elif case == "step as int":
         entry["step"] = 1
     else:
-        del entry["exp_avg_sq"]
+        del entry[case[3:]]
 
 
-@pytest.mark.parametrize("case", ["float64 moment", "step as int", "no exp_avg_sq"])
-def test_unusable_state_assigned_by_hand_is_a_clear_error_changing_nothing(case):
+@pytest.mark.parametrize("streaming", [False, True], ids=["host update", "streamed"])
+@pytest.mark.parametrize("case", ["float64 moment", "step as int", "no exp_avg_sq", "no exp_avg", "no step"])
+def test_unusable_state_assigned_by_hand_is_a_clear_error_changing_nothing(case, streaming, monkeypatch):
     """State entries torch's fused AdamW cannot step with either (it raises, at times after
     advancing its step counts): ours must raise a clear error naming the entry, with no
     step count or weight changed, so that once the entry is put right training continues
-    exactly as torch's without the failed step."""
+    exactly as torch's without the failed step. (The streamed update, on its CPU twin,
+    went on from its own step count over a deleted or int "step", and raised a bare
+    KeyError for a deleted moment.)"""
+    from offload_plugin import streamed
+
+    monkeypatch.setattr(streamed, "_ON_CPU", streaming)
     (ref_model, ref), (ours_model, ours) = _twins()
+    assert (ours._streamed is not None) == streaming
     probe_model = copy.deepcopy(ref_model)
     probe = torch.optim.AdamW(probe_model.parameters(), lr=LR, fused=True)
     _step(probe_model, probe, 0)
