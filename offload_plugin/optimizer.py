@@ -785,6 +785,14 @@ class CPUOffloadOptimizer(Optimizer):
         self._overlap = schedules.choose_overlap(self, grad_scale, clipping, bool(early_forward))
 
     @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch.amp.GradScaler hands the scale to step() (``self.grad_scale``) instead of
+        unscaling the gradients first where this is True, as it is for torch's fused AdamW,
+        whose kernel divides by it: a different rounding from unscaling, and fp16 gradients,
+        which GradScaler refuses to unscale, work. The streamed update runs that kernel."""
+        return self._streamed is not None
+
+    @property
     def overlapping(self) -> bool:
         """True between ``overlap_next_step()`` and the ``step()`` that completes it."""
         return self._overlap is not None

@@ -403,8 +403,13 @@ class StreamedUpdate:
         ring = plan.ring
         if in_backward:
             _flush_when_backward_ends(ring)
-        ring.queued.append(_Job(self, plan, grads, [_hyperparameters(g, opt._host_optimizer) for g in groups],
-                                whole_step=not in_backward))
+        # torch.amp.GradScaler's scale, handed over instead of unscaling the gradients (see
+        # CPUOffloadOptimizer._step_supports_amp_scaling): the kernel divides by it, as torch's
+        # fused AdamW's does. (Its found_inf is the verdict on these same gradients that
+        # ours takes: a step it flags is skipped here too, the counts left as they were.)
+        amp_scale = getattr(opt, "grad_scale", None)
+        ring.queued.append(_Job(self, plan, grads, [_hyperparameters(g, opt._host_optimizer, amp_scale)
+                                                    for g in groups], whole_step=not in_backward))
         ring.queued_numel += sum(g.numel() for g in grads)
         self._queued_on = ring
         self._steps_moved = True
@@ -591,14 +596,14 @@ def _params_unmoved(plan: _Plan) -> bool:
     return list(map(torch.Tensor.data_ptr, plan.params)) == plan.data_ptrs
 
 
-def _hyperparameters(group: dict, host_optimizer) -> tuple:
+def _hyperparameters(group: dict, host_optimizer, grad_scale: Optional[torch.Tensor] = None) -> tuple:
     """The kernel and its keyword arguments for ``group`` as it is now (schedulers change it)."""
     decoupled = group.get("decoupled_weight_decay", isinstance(host_optimizer, torch.optim.AdamW))
     beta1, beta2 = group["betas"]
     return (torch._fused_adamw_ if decoupled else torch._fused_adam_,
             dict(amsgrad=False, lr=group["lr"], beta1=float(beta1), beta2=float(beta2),
                  weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                 grad_scale=None))
+                 grad_scale=grad_scale))
 
 
 def _run_unit(unit: _Unit, grads: list, steps: list, ring: StagingRing, found: torch.Tensor,

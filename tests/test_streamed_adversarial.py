@@ -348,3 +348,30 @@ def test_what_the_streamed_update_already_did_as_torch():
             opt.step()
             opt.zero_grad(set_to_none=i % 2 == 1)
     _assert_same(ref_model, ref, ours_model, ours)
+
+
+@pytest.mark.parametrize("dtype, init_scale", [(torch.float16, 2.0 ** 24), (torch.float32, 1000.0)],
+                         ids=["fp16 weights, overflowing first", "fp32 weights, scale not a power of 2"])
+def test_grad_scaler_steps_as_with_torch_fused_adamw(dtype, init_scale):
+    """torch.amp.GradScaler: torch's fused AdamW takes the scale into its kernel (it divides
+    the gradients by it) instead of having GradScaler unscale them. Ours had GradScaler
+    unscale first: with fp16 weights GradScaler then refused ("Attempting to unscale FP16
+    gradients"), and a scale that is not a power of two gave other bits. The streamed
+    update takes the scale as torch's does now; steps whose scaled gradients overflowed are
+    skipped as torch skips them."""
+    ref_model = _model().to(dtype)
+    ours_model = copy.deepcopy(ref_model)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.1, fused=True)
+    ours = CPUOffloadOptimizer(ours_model.parameters(), lr=LR, weight_decay=0.1)
+    for model, opt in ((ref_model, ref), (ours_model, ours)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_factor=1.5, growth_interval=2)
+        for i in range(6):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(5, 8, generator=g).to(dtype), torch.randn(5, 4, generator=g).to(dtype)
+            scaler.scale(((model(x) - y) ** 2).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        if dtype == torch.float16:
+            assert scaler.get_scale() < init_scale  # (some steps overflowed and were skipped)
+    _assert_same(ref_model, ref, ours_model, ours)
