@@ -272,7 +272,10 @@ class StreamedUpdate:
                 continue
             log.warning(
                 "CPUOffloadOptimizer: param_groups[%d]%s (set by hand, or loaded from a state "
-                "dict): the update runs on the host from now on, no longer streamed.", index, why)
+                "dict): the update runs on the host from now on, no longer streamed, and much "
+                "slower. To keep it streamed (torch's fused kernel, as before the load), set "
+                "param_groups[i]['fused'] = True after loading and before the next step().",
+                index, why)
             return False
         return True
 

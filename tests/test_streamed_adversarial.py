@@ -189,6 +189,31 @@ def test_fused_switched_off_between_steps_continues_as_torch(fused, caplog):
     _assert_same(ref_model, ref, ours_model, ours)
     assert ours._streamed is None
     assert "the update runs on the host from now on" in caplog.text
+    assert "set param_groups[i]['fused'] = True after loading" in caplog.text
+
+
+def test_state_dict_of_unfused_adamw_keeps_streaming_when_fused_is_set_back():
+    """A state dict of torch's AdamW built without fused (its groups say fused=None) loaded
+    into ours: the warning at the next step says to set fused back to True after loading;
+    done before that step, the update stays streamed, as torch's fused AdamW given the
+    same state and setting."""
+    (ref_model, ref), (ours_model, ours) = _twins()
+    donor_model = _model()
+    donor = torch.optim.AdamW(donor_model.parameters(), lr=LR, weight_decay=0.1)
+    for i in range(2):
+        _step(donor_model, donor, i)
+    saved = donor.state_dict()
+    assert saved["param_groups"][0]["fused"] is None
+    for model, opt in ((ref_model, ref), (ours_model, ours)):
+        model.load_state_dict(donor_model.state_dict())
+        opt.load_state_dict(copy.deepcopy(saved))
+        for group in opt.param_groups:
+            group["fused"] = True
+    for i in range(2, 5):
+        for model, opt in ((ref_model, ref), (ours_model, ours)):
+            _step(model, opt, i)
+    assert ours._streamed is not None
+    _assert_same(ref_model, ref, ours_model, ours)
 
 
 def test_differentiable_switched_on_between_steps_is_refused_changing_nothing():
