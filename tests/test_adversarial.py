@@ -57,18 +57,20 @@ def _assert_same(ref_model, ref, ours_model, ours):
 # ---------------------------------------------------------------- optimizer.state edits
 
 
+# Run in a fresh process (a heap corruption is the failure): a wrongly sized moment put
+# into optimizer.state by hand between two steps; prints REFUSED with the error, or ACCEPTED.
 _WRONG_SHAPE = textwrap.dedent(
     """
     import sys, torch
     sys.path.insert(0, {tests!r})
-    from test_adversarial import _model, _step
+    from test_adversarial import {model} as make_model, {step} as step
     from offload_plugin import CPUOffloadOptimizer
-    model = _model()
-    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2)
-    _step(model, opt, 0)
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2{options})
+    step(model, opt, 0)
     opt.state[model[{index}].weight][{key!r}] = torch.zeros({size})
     try:
-        _step(model, opt, 1)
+        step(model, opt, 1)
     except Exception as err:
         print("REFUSED", type(err).__name__, err)
     else:
@@ -77,17 +79,23 @@ _WRONG_SHAPE = textwrap.dedent(
 )
 
 
+def _run_wrong_shape(model="_model", step="_step", options="", index=0, key="exp_avg", size=3):
+    script = _WRONG_SHAPE.format(tests=str(Path(__file__).parent), model=model, step=step,
+                                 options=options, index=index, key=key, size=size)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
 @pytest.mark.parametrize("index,key,size", [(0, "exp_avg", 3), (2, "exp_avg_sq", 7), (0, "exp_avg", 1000)])
 def test_wrongly_shaped_state_assigned_by_hand_is_refused_not_a_crash(index, key, size):
     """A moment of the wrong size put into ``optimizer.state[p]`` by hand: the fused kernels
     walk raw pointers, so it corrupted the heap ("malloc_consolidate(): invalid chunk size",
     the process died; torch's fused AdamW does the same). It must be a clear error naming
     the entry, in a process that stays alive (run in a fresh one: a crash is the failure)."""
-    script = _WRONG_SHAPE.format(tests=str(Path(__file__).parent), index=index, key=key, size=size)
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "REFUSED" in run.stdout, run.stdout
-    assert key in run.stdout and "shape" in run.stdout, run.stdout
+    out = _run_wrong_shape(index=index, key=key, size=size)
+    assert "REFUSED" in out, out
+    assert key in out and "shape" in out, out
 
 
 def test_noncontiguous_state_assigned_by_hand_continues_as_torch():
@@ -310,34 +318,13 @@ def _compact_step(model, opt, i):
     opt.zero_grad()
 
 
-_COMPACT_WRONG_SHAPE = textwrap.dedent(
-    """
-    import sys, torch
-    sys.path.insert(0, {tests!r})
-    from test_adversarial import _compact_model, _compact_step
-    from offload_plugin import CPUOffloadOptimizer
-    model = _compact_model()
-    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls="offload_plugin.CompactAdamW", lr=1e-2)
-    _compact_step(model, opt, 0)
-    opt.state[model[0].weight]["exp_avg"] = torch.zeros(3)
-    try:
-        _compact_step(model, opt, 1)
-    except Exception as err:
-        print("REFUSED", type(err).__name__, err)
-    else:
-        print("ACCEPTED")
-    """
-)
-
-
 def test_compact_wrongly_shaped_state_assigned_by_hand_is_refused_not_a_crash():
     """CompactAdamW's exact layout (small parameters) runs torch's fused kernel on its state:
     a moment of the wrong size assigned by hand corrupted the heap ("corrupted double-linked
     list"). It must be a clear error naming the entry (fresh process: a crash fails)."""
-    script = _COMPACT_WRONG_SHAPE.format(tests=str(Path(__file__).parent))
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "REFUSED" in run.stdout and "'exp_avg'" in run.stdout, run.stdout
+    out = _run_wrong_shape(model="_compact_model", step="_compact_step",
+                           options=', optimizer_cls="offload_plugin.CompactAdamW"')
+    assert "REFUSED" in out and "'exp_avg'" in out, out
 
 
 @pytest.mark.parametrize("case", ["lr None", "non-contiguous moment"])
