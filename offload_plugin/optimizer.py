@@ -36,7 +36,7 @@ from offload_plugin.gradients import GradientPath, check_dense
 from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots, give_host_copies
 from offload_plugin.host_update import forget_batches, uses_fused_adam
 from offload_plugin.options import Options, check_trainable
-from offload_plugin.scaling import Scaling
+from offload_plugin.scaling import Scaling, multiplier
 from offload_plugin.schedules import delayed, early_forward, in_backward
 from offload_plugin.slots import SlotTable
 from offload_plugin.updates import StepPlan, Updates
@@ -480,6 +480,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._arena = self._shared.arena(self.pin_memory).account()  # this optimizer's share
         self._grads = GradientPath(self._slots, self._transfers, self._worker, self._arena,
                                    self.pin_memory, self.delayed_update)
+        self._scaling.on_accelerator = device.type != "cpu"
         self._updates = Updates(lambda: self._host_optimizer, self._grads, self._transfers,
                                 self._worker)
 
@@ -732,7 +733,8 @@ class CPUOffloadOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ step
     def overlap_next_step(
-        self, grad_scale: Optional[float] = None, clipping: bool = False, early_forward: bool = False
+        self, grad_scale: Optional[Union[float, torch.Tensor]] = None, clipping: bool = False,
+        early_forward: bool = False,
     ) -> None:
         """Start each parameter's update as soon as the next backward delivers its gradient.
 
@@ -743,8 +745,9 @@ class CPUOffloadOptimizer(Optimizer):
         updates read the lr and other hyperparameters in ``param_groups`` now.
 
         Args:
-            grad_scale (float, optional): multiply each gradient by this in the update
-                (torchtune's ``1 / num_tokens``), since ``scale_grads`` comes too late.
+            grad_scale (float or Tensor, optional): multiply each gradient by this in the
+                update (torchtune's ``1 / num_tokens``), since ``scale_grads`` comes too late;
+                rounded as ``scale_grads`` rounds it (to the gradients' dtype on a GPU).
             clipping (bool): ``clip_grad_norm_`` will be called before ``step()``. No update
                 may start before it, but each gradient is scaled and its norm taken on
                 its device on the way out (on the host for a sum accumulated there), so
@@ -781,8 +784,25 @@ class CPUOffloadOptimizer(Optimizer):
             )
         # A step that returned early may still be updating (this is normally called before
         # the next forward, which it is to overlap); what follows leaves it alone.
+        if grad_scale is not None:
+            grad_scale = self._overlap_multiplier(grad_scale)
         self._scaling.scaled_since_zero_grad = True
         self._overlap = schedules.choose_overlap(self, grad_scale, clipping, bool(early_forward))
+
+    def _overlap_multiplier(self, grad_scale: float) -> float:
+        """The one number each overlapped update multiplies its gradient by: what
+        torchtune's scale_grads would (see scaling.multiplier)."""
+        values = {multiplier(grad_scale, p.dtype, self._scaling.on_accelerator)
+                  for p in self._params()}
+        if len(values) > 1:
+            raise ValueError(
+                "overlap_next_step(grad_scale=...) with trainable parameters of several dtypes "
+                f"({sorted({str(p.dtype) for p in self._params()})}) on a GPU: scale_grads "
+                "rounds the factor to each gradient's dtype there, which one overlapped update "
+                "cannot. Give the trainable parameters one dtype, or call scale_grads() after "
+                "backward instead of passing grad_scale."
+            )
+        return values.pop() if values else float(grad_scale)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:

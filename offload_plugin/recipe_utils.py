@@ -66,8 +66,10 @@ def overlap_last_backward(
     """
     if not (_is_offload(optimizer) and optimizer.offload_gradients):
         return False
+    if len({p.dtype for g in optimizer.param_groups for p in g["params"]}) > 1:
+        return False  # scale_grads rounds 1/num_tokens per gradient dtype: let it do so
     optimizer.overlap_next_step(
-        grad_scale=1.0 / float(num_tokens), clipping=clip_grad_norm is not None,
+        grad_scale=1 / torch.as_tensor(num_tokens), clipping=clip_grad_norm is not None,
         early_forward=early_forward,
     )
     return True

@@ -36,12 +36,11 @@ log = logging.getLogger("offload_plugin.optimizer")
 class ClipNorms:
     """Overlapped clipping: the scale to apply during backward, and the norms taken."""
 
-    grad_scale: Optional[float]
+    grad_scale: Optional[float]  # a multiplier() value (overlap_next_step makes it one)
     batch: JobBatch  # host-accumulated sums, scaled and normed by the worker
     scale: torch.Tensor = None  # [grad_scale or 1.0], fp32
     found: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(1))
     norms: dict = dataclasses.field(default_factory=dict)  # gradient (host or device) -> its norm
-    device_scale: dict = dataclasses.field(default_factory=dict)  # device -> scale there
 
     def __post_init__(self) -> None:
         self.scale = torch.tensor([self.grad_scale if self.grad_scale is not None else 1.0])
@@ -50,9 +49,7 @@ class ClipNorms:
         """Scale a gradient on its way to the host as Scaling.scale would on its device,
         and take its norm there (kept under the host copy's key)."""
         if self.grad_scale is not None:
-            if grad.device not in self.device_scale:
-                self.device_scale[grad.device] = self.scale.to(grad.device)
-            grad.mul_(self.device_scale[grad.device])  # fp32 multiply, one rounding
+            grad.mul_(self.grad_scale)  # fp32 multiply, one rounding (a number: no copy to wait on)
         self.norms[slot.grad] = torch._foreach_norm([grad], 2.0)[0]
 
     def on_host(self, grad: torch.Tensor) -> None:
@@ -61,16 +58,20 @@ class ClipNorms:
         self.norms[grad] = torch._foreach_norm([grad], 2.0)[0]
 
 
-def factor_on(device: torch.device, factor: Union[float, torch.Tensor]) -> torch.Tensor:
-    """``factor`` as a one-element fp32 tensor on ``device`` (the value
-    ``torch.as_tensor(factor, dtype=torch.float32)`` has), without waiting for the device.
-    Recipes count tokens on the host, so ``1 / num_tokens`` is a CPU tensor, and copying it
-    to a GPU with ``.to()`` is a blocking copy: the host would wait for the whole backward
-    before it could queue the step. A fill takes the value as a kernel argument instead."""
-    if isinstance(factor, torch.Tensor) and factor.device.type != "cpu":
-        return factor.to(device=device, dtype=torch.float32).reshape(1)
-    value = float(torch.as_tensor(factor, dtype=torch.float32))  # (rounded to fp32 once)
-    return torch.full((1,), value, dtype=torch.float32, device=device)
+def multiplier(factor: Union[float, torch.Tensor], grad_dtype: torch.dtype,
+               on_accelerator: bool) -> float:
+    """The number torchtune's ``scale_grads(model, factor)`` multiplies a ``grad_dtype``
+    gradient by: ``p.grad *= factor`` with ``factor`` an fp32 scalar tensor on the
+    parameter's device. On the CPU that multiply reads the fp32 value; on a GPU the kernel
+    first converts it to the gradient's dtype (bf16 keeps 8 bits of 1/num_tokens), so a
+    host copy of a GPU gradient must be scaled by that rounded value to get the same bits.
+    Every scaled gradient here is ``g * multiplier(...)`` computed in fp32 and rounded once,
+    which is what both devices do with it. (Reading a factor that lives on a GPU waits for
+    it; recipes that count tokens on the host pass a CPU tensor, read at no cost.)"""
+    value = torch.as_tensor(factor, dtype=torch.float32)
+    if on_accelerator:
+        value = value.to(grad_dtype)
+    return float(value)
 
 
 class Scaling:
@@ -84,6 +85,7 @@ class Scaling:
         self.clip_coef: Optional[torch.Tensor] = None  # clip's multiply, left to the updates
         self.scaled_since_zero_grad = False
         self._warned_unscaled = False
+        self.on_accelerator = False  # the parameters live on a GPU (set with their device)
 
     def prepare_clipping(self, worker: HostWorker, grads: GradientPath,
                           grad_scale: Optional[float]) -> None:
@@ -101,20 +103,21 @@ class Scaling:
 
     # ------------------------------------------------------------------ scaling
     def scale(self, grads: list[torch.Tensor], factor: Union[float, torch.Tensor]) -> None:
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
-        for g in grads:
-            by_device.setdefault(g.device, []).append(g)
         found, known = torch.zeros(1), True
-        for device, group in by_device.items():
-            scale = factor_on(device, factor)
+        for (device, dtype), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():
             if device.type == "cpu":
+                value = multiplier(factor, dtype, self.on_accelerator)
                 # Multiplies like `g *= factor` (bit for bit) and flags inf/NaN in one pass.
-                torch._amp_foreach_non_finite_check_and_unscale_(group, found, scale)
-            else:
-                # CUDA's AMP kernel has no bf16 variant; step() scans on the GPU instead.
-                for g in group:
-                    g.mul_(scale)
-                known = False
+                torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.tensor([value]))
+                continue
+            # CUDA's AMP kernel has no bf16 variant; step() scans on the GPU instead.
+            known = False
+            if isinstance(factor, torch.Tensor) and factor.device.type != "cpu":
+                scale = factor.to(device=device, dtype=torch.float32).reshape(())
+            else:  # a number, not a tensor: no copy to the GPU for the host to wait on
+                scale = multiplier(factor, dtype, self.on_accelerator)
+            for g in group:
+                g.mul_(scale)  # (torchtune's own multiply, for a factor already on the GPU)
         if known:
             self.finite.record(found, grads)
         else:

@@ -251,3 +251,45 @@ def test_gpu_scale_grads_by_a_host_count_does_not_wait_for_the_gpu():
     training.scale_grads(twin, 1 / num_tokens.cuda())
     for a, b in zip(trainable(model), trainable(twin)):
         assert torch.equal(a.grad, b.grad)
+
+
+@pytest.mark.parametrize("how", ["scale_grads", "overlap", "overlap_clipping"])
+def test_gpu_offloaded_gradients_are_scaled_with_torchtunes_bits(monkeypatch, how):
+    """On a GPU, torchtune's scale_grads multiplies bf16 gradients by 1/num_tokens rounded to
+    bf16 (the kernel converts the fp32 factor). Offloaded gradients, scaled on the host by
+    scale_grads() or inside the overlapped updates (with and without clipping's norms), get
+    the same bits: the same host update then gives the same weights as a twin whose
+    gradients torchtune scaled on the GPU before the step copied them."""
+    from torchtune import training
+
+    monkeypatch.setattr(streamed, "ENABLED", False)  # both twins: the host update
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8)).cuda().to(torch.bfloat16)
+    twin, start = copy.deepcopy(model), copy.deepcopy(model)
+    opt = offload(model, offload_gradients=True, lr=1e-3)
+    ref = offload(twin, lr=1e-3)  # gradients stay on the GPU until step()
+    for step in range(3):
+        num_tokens = torch.tensor(37 + step)  # 1/37 and 1/38 need more bits than bf16 has
+        x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
+        if how != "scale_grads":
+            opt.overlap_next_step(grad_scale=1 / num_tokens, clipping=how == "overlap_clipping")
+        model(x).float().square().sum().backward()
+        twin(x).float().square().sum().backward()
+        if how == "scale_grads":
+            opt.scale_grads(1 / num_tokens)
+        elif how == "overlap_clipping":
+            opt.clip_grad_norm_(1e9)  # (a coefficient of exactly 1: only the scaling acts)
+        training.scale_grads(twin, (1 / num_tokens).cuda())
+        for o in (opt, ref):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for a, b, s in zip(trainable(model), trainable(twin), trainable(start)):
+        assert torch.equal(a, b) and not torch.equal(a, s)
+
+
+def test_gpu_overlap_with_trainable_parameters_of_two_dtypes_is_refused_with_advice():
+    """One overlapped multiplier cannot be both scale_grads' bf16 and fp32 roundings."""
+    model = nn.Sequential(nn.Linear(8, 8).cuda().to(torch.bfloat16), nn.Linear(8, 8).cuda())
+    opt = offload(model, offload_gradients=True)
+    with pytest.raises(ValueError, match="several dtypes.*call scale_grads"):
+        opt.overlap_next_step(grad_scale=1 / torch.tensor(37))

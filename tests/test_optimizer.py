@@ -766,15 +766,20 @@ def test_nonfinite_warning_counts_only_the_bad_gradients(caplog):
     assert "1 of 4 parameters had an inf or NaN gradient" in caplog.text
 
 
-@pytest.mark.parametrize("factor", [1 / 3, torch.tensor(1.0) / torch.tensor(7), 1 / torch.tensor(7),
+@pytest.mark.parametrize("factor", [1 / 3, torch.tensor(1.0) / torch.tensor(7), 1 / torch.tensor(37),
                                     torch.tensor(1 / 3, dtype=torch.float64), torch.tensor([0.125])])
-def test_scale_factor_is_built_on_the_device_with_the_value_torch_would_copy(factor):
+def test_scale_multiplier_is_the_value_scale_grads_multiplies_by(factor):
     """scale_grads' factor (a Python number or a CPU tensor, as recipes that count tokens on
-    the host pass it) becomes the fp32 value a copy would give, made where the gradients are
-    (tests/test_gpu.py checks that no copy waits for the GPU there)."""
-    from offload_plugin.scaling import factor_on
+    the host pass it) is used as the fp32 value torchtune's ``p.grad *= factor`` reads: as
+    it is on the CPU; rounded to the gradient's dtype first for parameters on a GPU, whose
+    kernel converts it so (tests/test_gpu.py checks the bits against torchtune's there)."""
+    from offload_plugin.scaling import multiplier
 
-    made = factor_on(torch.device("cpu"), factor)
-    expected = torch.as_tensor(factor, dtype=torch.float32).reshape(1)
-    assert made.dtype == torch.float32 and made.shape == (1,)
-    assert torch.equal(made.view(torch.int32), expected.view(torch.int32))
+    fp32 = torch.as_tensor(factor, dtype=torch.float32)
+    assert multiplier(factor, torch.bfloat16, on_accelerator=False) == float(fp32)
+    assert multiplier(factor, torch.float32, on_accelerator=True) == float(fp32)
+    assert multiplier(factor, torch.bfloat16, on_accelerator=True) == float(fp32.to(torch.bfloat16))
+    grad = torch.randn(1000, dtype=torch.bfloat16)
+    expected = grad.clone()
+    expected *= fp32.reshape(())  # torchtune's scale_grads on the CPU
+    assert torch.equal(grad * multiplier(factor, grad.dtype, on_accelerator=False), expected)
