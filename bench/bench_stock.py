@@ -61,6 +61,8 @@ RUNS = {
                                             "optimizer_in_bwd=False", "optimizer.offload_gradients=True"]),
         "ours_stock": ("stock", [OURS]),
         "ours_stock_no_in_bwd": ("stock", [OURS, "optimizer_in_bwd=False"]),
+        "ours_stock_in_flight_256m": ("stock", [OURS]),  # (RUN_ENV: another in-backward bound)
+        "ours_stock_in_flight_4g": ("stock", [OURS]),
         "ours_recipe": ("ours", []),
         # Gradients kept on the GPU until step(): the streamed update (state through the GPU),
         # what the 1B and 3B configs ship since 2026-12-02.
@@ -96,7 +98,12 @@ RUNS = {
 RUNS["lora"] = dict(RUNS["qlora"])  # the same runs with bf16 base weights instead of NF4
 # Runs that differ from another only in their environment: the host update where the streamed
 # one would run, to compare the two on one machine.
-RUN_ENV = {"ours_stock_host_update": {"OFFLOAD_PLUGIN_STREAMED": "0"}}
+RUN_ENV = {"ours_stock_host_update": {"OFFLOAD_PLUGIN_STREAMED": "0"},
+           # Under optimizer_in_bwd the hooks wait once this many MiB of gradients wait for
+           # the bus (streamed.IN_FLIGHT_BYTES, 1024 by default): other bounds, to see whether
+           # that wait is what makes the in-backward drop-in vary between machines.
+           "ours_stock_in_flight_256m": {"OFFLOAD_PLUGIN_IN_FLIGHT_MIB": "256"},
+           "ours_stock_in_flight_4g": {"OFFLOAD_PLUGIN_IN_FLIGHT_MIB": "4096"}}
 LAUNCH = (  # tune in this process, so that its peak RSS is the recipe's
     "import resource, runpy, sys\n"
     "try:\n"

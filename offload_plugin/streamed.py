@@ -64,8 +64,9 @@ ALIGN = 64
 # Inside a backward, the hooks wait once the gradients handed to the update stream and not
 # yet read by it exceed this many bytes: the update runs at the bus's pace, backward can run
 # ahead of it, and each gradient's memory is free only once its update has read it. Without
-# a bound all of them could wait at once (16 GB for an 8B model).
-IN_FLIGHT_BYTES = 1 << 30
+# a bound all of them could wait at once (16 GB for an 8B model). Benchmarks set
+# OFFLOAD_PLUGIN_IN_FLIGHT_MIB in a recipe's environment to try other bounds.
+IN_FLIGHT_BYTES = int(os.environ.get("OFFLOAD_PLUGIN_IN_FLIGHT_MIB", "1024")) << 20
 # Tests turn this on to run the same code with parameters on the CPU (no streams).
 _ON_CPU = False
 # Benchmarks switch this off (or set OFFLOAD_PLUGIN_STREAMED=0 in a recipe's environment) to
