@@ -34,6 +34,9 @@
 #   bash bench/run_h200.sh inbwdsweep  # the stock 1B full drop-in under optimizer_in_bwd with the hooks'
 #                                   # bound on waiting gradients at 256 MiB, 1 GiB (default) and 4 GiB, against
 #                                   # our recipe, three alternating rounds (about 6 minutes)
+#   bash bench/run_h200.sh compactgpu  # the Triton prototype of CompactAdamW's update on the GPU (issue #20):
+#                                   # its bits against the CPU update, its rate against torch's fused AdamW
+#                                   # (about a minute)
 #   bash bench/run_h200.sh 8bstock  # torchtune's stock 8B full config, no GPU cap: as shipped (PagedAdamW8bit),
 #                                   # torchao (gradients on the GPU), the drop-in, our 8B config (about 6 minutes)
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
@@ -121,6 +124,8 @@ for stage in "$@"; do
         python3 bench/bench_stock.py --job full --model 1b --steps 12 --warmup 3 --repeats 3 \
             --runs ours_stock,ours_stock_in_flight_256m,ours_stock_in_flight_4g,ours_recipe \
             | tee "$OUT/stock_1b_full_in_flight.txt" ;;
+    compactgpu)
+        python3 bench/compact_gpu_update.py --check-numel 1049421 | tee "$OUT/compact_gpu_update.txt" ;;
     8bstock)
         python3 bench/bench_stock.py --job full --model 8b --steps 5 --warmup 2 --timeout 150 \
             --runs stock_as_shipped,torchao,ours_stock,ours_recipe | tee "$OUT/stock_8b_full.txt" ;;
