@@ -128,7 +128,7 @@ def _compact_adamw_kernel(weight, remainder, grad, m_code, m_absmax, v_code, v_a
 @triton.jit
 def _below(x, bound):
     """!(x >= bound): true for NaN too, as the CPU kernel's test."""
-    return tl.where(x >= bound, False, True)
+    return ~(x >= bound)
 
 
 class GpuMaps:
