@@ -789,7 +789,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._scaling.scaled_since_zero_grad = True
         self._overlap = schedules.choose_overlap(self, grad_scale, clipping, bool(early_forward))
 
-    def _overlap_multiplier(self, grad_scale: float) -> float:
+    def _overlap_multiplier(self, grad_scale: Union[float, torch.Tensor]) -> float:
         """The one number each overlapped update multiplies its gradient by: what
         torchtune's scale_grads would (see scaling.multiplier)."""
         values = {multiplier(grad_scale, p.dtype, self._scaling.on_accelerator)

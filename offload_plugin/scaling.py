@@ -61,17 +61,18 @@ class ClipNorms:
 def multiplier(factor: Union[float, torch.Tensor], grad_dtype: torch.dtype,
                on_accelerator: bool) -> float:
     """The number torchtune's ``scale_grads(model, factor)`` multiplies a ``grad_dtype``
-    gradient by: ``p.grad *= factor`` with ``factor`` an fp32 scalar tensor on the
-    parameter's device. On the CPU that multiply reads the fp32 value; on a GPU the kernel
-    first converts it to the gradient's dtype (bf16 keeps 8 bits of 1/num_tokens), so a
-    host copy of a GPU gradient must be scaled by that rounded value to get the same bits.
-    Every scaled gradient here is ``g * multiplier(...)`` computed in fp32 and rounded once,
-    which is what both devices do with it. (Reading a factor that lives on a GPU waits for
-    it; recipes that count tokens on the host pass a CPU tensor, read at no cost.)"""
-    value = torch.as_tensor(factor, dtype=torch.float32)
-    if on_accelerator:
+    gradient by: ``p.grad *= factor.to(p.device)``. On the CPU that multiply reads the
+    factor as fp32; on a GPU the kernel first converts a 0-dim factor to the gradient's
+    dtype (bf16 keeps 8 bits of 1/num_tokens; a factor with a dimension takes part in type
+    promotion instead, and stays fp32). So a host copy of a GPU gradient is scaled by that
+    value to get the same bits. Every scaled gradient here is ``g * multiplier(...)``
+    computed in fp32 and rounded once, which is what both devices do with it. (A number is
+    taken as torch.tensor(number). Reading a factor that lives on a GPU waits for it;
+    recipes that count tokens on the host pass a CPU tensor, read at no cost.)"""
+    value = torch.as_tensor(factor)
+    if on_accelerator and value.dim() == 0:
         value = value.to(grad_dtype)
-    return float(value)
+    return float(value.to(torch.float32))
 
 
 class Scaling:
@@ -113,11 +114,11 @@ class Scaling:
             # CUDA's AMP kernel has no bf16 variant; step() scans on the GPU instead.
             known = False
             if isinstance(factor, torch.Tensor) and factor.device.type != "cpu":
-                scale = factor.to(device=device, dtype=torch.float32).reshape(())
-            else:  # a number, not a tensor: no copy to the GPU for the host to wait on
+                scale = factor.to(device)  # torchtune's own multiply
+            else:  # a number or a CPU tensor: read here, no copy for the host to wait on
                 scale = multiplier(factor, dtype, self.on_accelerator)
             for g in group:
-                g.mul_(scale)  # (torchtune's own multiply, for a factor already on the GPU)
+                g.mul_(scale)
         if known:
             self.finite.record(found, grads)
         else:

@@ -228,10 +228,12 @@ def test_stock_lora_recipes_plain_step_judges_on_the_way_from_the_first_step(mon
     assert separate == [], separate
 
 
-def test_gpu_scale_grads_by_a_host_count_does_not_wait_for_the_gpu():
+@pytest.mark.parametrize("shape", [(), (1,)])
+def test_gpu_scale_grads_by_a_host_count_does_not_wait_for_the_gpu(shape):
     """Our recipes count tokens on the host, so ``1 / num_tokens`` is a CPU tensor: scaling by
     it must not be a blocking copy (the host would wait for backward before queueing the
-    step), and must give torchtune's scale_grads' bits."""
+    step), and must give torchtune's scale_grads' bits: the factor rounded to bf16 when it
+    is 0-dim, as the GPU kernel converts it, and not when it has a dimension (promoted)."""
     from torchtune import training
 
     torch.manual_seed(0)
@@ -241,14 +243,14 @@ def test_gpu_scale_grads_by_a_host_count_does_not_wait_for_the_gpu():
     x = torch.randn(32, 256, device="cuda", dtype=torch.bfloat16)
     for m in (model, twin):
         m(x).float().square().sum().backward()
-    num_tokens = torch.tensor(37)  # on the host, as our recipes count it
+    factor = (1 / torch.tensor(37)).reshape(shape)  # on the host, as our recipes count tokens
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        opt.scale_grads(1 / num_tokens)
+        opt.scale_grads(factor)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    training.scale_grads(twin, 1 / num_tokens.cuda())
+    training.scale_grads(twin, factor.cuda())
     for a, b in zip(trainable(model), trainable(twin)):
         assert torch.equal(a.grad, b.grad)
 

@@ -767,7 +767,7 @@ def test_nonfinite_warning_counts_only_the_bad_gradients(caplog):
 
 
 @pytest.mark.parametrize("factor", [1 / 3, torch.tensor(1.0) / torch.tensor(7), 1 / torch.tensor(37),
-                                    torch.tensor(1 / 3, dtype=torch.float64), torch.tensor([0.125])])
+                                    torch.tensor(1 / 3, dtype=torch.float64), torch.tensor([1 / 37])])
 def test_scale_multiplier_is_the_value_scale_grads_multiplies_by(factor):
     """scale_grads' factor (a Python number or a CPU tensor, as recipes that count tokens on
     the host pass it) is used as the fp32 value torchtune's ``p.grad *= factor`` reads: as
@@ -778,7 +778,8 @@ def test_scale_multiplier_is_the_value_scale_grads_multiplies_by(factor):
     fp32 = torch.as_tensor(factor, dtype=torch.float32)
     assert multiplier(factor, torch.bfloat16, on_accelerator=False) == float(fp32)
     assert multiplier(factor, torch.float32, on_accelerator=True) == float(fp32)
-    assert multiplier(factor, torch.bfloat16, on_accelerator=True) == float(fp32.to(torch.bfloat16))
+    on_gpu = fp32.to(torch.bfloat16) if fp32.dim() == 0 else fp32  # (a dimension: promoted)
+    assert multiplier(factor, torch.bfloat16, on_accelerator=True) == float(on_gpu)
     grad = torch.randn(1000, dtype=torch.bfloat16)
     expected = grad.clone()
     expected *= fp32.reshape(())  # torchtune's scale_grads on the CPU
