@@ -686,6 +686,12 @@ class CPUOffloadOptimizer(Optimizer):
     ) -> torch.Tensor:
         """Clip all trainable gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``.
 
+        The norm is taken over the parameters in ``param_groups`` order, as torch's over the
+        same list: the norm of the per-tensor norms depends on their order in its last bit,
+        so it equals ``clip_grad_norm_(model.parameters())`` bit for bit where the groups
+        list the parameters in the model's order (torchtune's recipes build one group from
+        ``model.parameters()``), and may differ in that bit otherwise.
+
         With DTensor (FSDP2) parameters the norm covers every rank's shards, and all
         ranks clip by the same coefficient, as torch's ``clip_grad_norm_`` over the model
         would; every rank must call it.
@@ -809,8 +815,11 @@ class CPUOffloadOptimizer(Optimizer):
         """torch.amp.GradScaler hands the scale to step() (``self.grad_scale``) instead of
         unscaling the gradients first where this is True, as it is for torch's fused AdamW,
         whose kernel divides by it: a different rounding from unscaling, and fp16 gradients,
-        which GradScaler refuses to unscale, work. The streamed update runs that kernel."""
-        return self._streamed is not None
+        which GradScaler refuses to unscale, work. The streamed update runs that kernel.
+        Offloaded gradients are not on the model, where GradScaler looks for them: True
+        there too, so that it hands its scale to step(), which refuses it with advice
+        (unscaling would find no gradient and fail with torch's "No inf checks")."""
+        return self._streamed is not None or self.offload_gradients
 
     @property
     def overlapping(self) -> bool:
@@ -828,6 +837,13 @@ class CPUOffloadOptimizer(Optimizer):
         nothing (``nonfinite_grads="skip"``, with a warning; the streamed update warns at
         the next step or state read) or raises (``"raise"``).
         """
+        if self.offload_gradients and getattr(self, "grad_scale", None) is not None:
+            raise ValueError(
+                "torch.amp.GradScaler with offload_gradients=True: the gradients are moved to "
+                "host memory during backward, where GradScaler cannot check or unscale them. "
+                "Use offload_gradients=False with GradScaler, or train in bf16 without a "
+                "scaler (as torchtune does). Nothing was updated."
+            )
         loss = None
         if closure is not None:
             with torch.enable_grad():

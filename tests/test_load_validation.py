@@ -288,7 +288,9 @@ _KEYS = ["step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "bogus"]
 
 def _value_for(kind, current, shape, rnd):
     """A replacement value of the given kind (current: the entry's tensor under that key)."""
-    like = current if isinstance(current, torch.Tensor) else torch.ones(shape)
+    # (Detached: a value made from a "requires grad" one would otherwise have a grad_fn,
+    # which copy.deepcopy refuses in this test's own copies.)
+    like = current.detach() if isinstance(current, torch.Tensor) else torch.ones(shape)
     return {
         "none": lambda: None,
         "list": lambda: like.tolist(),

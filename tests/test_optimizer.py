@@ -784,3 +784,18 @@ def test_scale_multiplier_is_the_value_scale_grads_multiplies_by(factor):
     expected = grad.clone()
     expected *= fp32.reshape(())  # torchtune's scale_grads on the CPU
     assert torch.equal(grad * multiplier(factor, grad.dtype, on_accelerator=False), expected)
+
+
+def test_grad_scaler_with_offloaded_gradients_is_refused_with_advice():
+    """GradScaler looks for the gradients on the model, where offloaded ones are not: it
+    failed with torch's "No inf checks were recorded for this optimizer". It now hands its
+    scale to step(), which says what to do, with nothing updated."""
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), lr=1e-3, offload_gradients=True)
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    x, y = batch(0, 0, "cpu")
+    scaler.scale(((model(x) - y) ** 2).sum()).backward()
+    with pytest.raises(ValueError, match="GradScaler with offload_gradients=True.*offload_gradients=False"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
