@@ -7,7 +7,8 @@ torchtune's scaling by 1/tokens, clipping, both zero_grad flavours), weights edi
 place or loaded, lr changed, state read, edited in place, replaced, saved and loaded back,
 step counts edited, and torch's own state dict loaded into ours. Three ways the update can
 run: the host update (what CPU parameters get), the streamed update's CPU twin (the default
-on a GPU, ``streamed._ON_CPU``) and offloaded gradients.
+on a GPU, ``streamed._ON_CPU``), offloaded gradients (with our recipes' overlapped schedule
+among the operations) and half the update kept on the device (``device_fraction``).
 """
 
 import copy
@@ -42,6 +43,7 @@ OPERATIONS = st.one_of(
     st.tuples(st.just("add a group")),
     st.tuples(st.just("fused off")),
     st.tuples(st.just("GradScaler step"), st.sampled_from([256.0, 3.0])),
+    st.tuples(st.just("train overlapped"), st.integers(1, 3), st.sampled_from([None, 0.05]), st.booleans()),
 )
 HYPERPARAMETERS = {"weight_decay": [0.0, 0.3], "betas": [(0.8, 0.99), (0.0, 0.5)], "eps": [1e-6, 1e-3],
                    "maximize": [True, False]}
@@ -84,6 +86,23 @@ def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> No
         via_optimizer = via_optimizer or offload_gradients
         _train(ref_model, ref, False, step, accum, via_optimizer, clip, set_to_none)
         _train(model, opt, True, step, accum, via_optimizer, clip, set_to_none)
+    elif kind == "train overlapped":  # our recipes' schedule: the update starts during backward
+        if not offload_gradients:
+            return  # (overlap_next_step needs offloaded gradients)
+        _, accum, clip, early = op
+        dtype = next(model.parameters()).dtype
+        _train(ref_model, ref, False, step, accum, True, clip, True)
+        for micro in range(accum):
+            x, y = batch(step, micro, "cpu", dtype)
+            if micro == accum - 1:  # (the same 1/count as _train's)
+                opt.overlap_next_step(grad_scale=1 / torch.tensor(3 * x.shape[0] * accum),
+                                      clipping=clip is not None, early_forward=early)
+            ((model(x) - y) ** 2).sum().backward()
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        opt.zero_grad()
+        opt.finish_step()  # (a step that returned early: the weights are read next)
     elif kind == "edit weight":
         _, index, scale = op
         with torch.no_grad():
@@ -171,8 +190,9 @@ def _assert_same(twins, where: str) -> None:
         assert a["lr"] == b["lr"], where
 
 
-@pytest.mark.parametrize("mode", ["host", "streamed", "offload_gradients"])
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.parametrize("mode", ["host", "streamed", "offload_gradients", "device_fraction"])
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(program=st.lists(OPERATIONS, min_size=1, max_size=8),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_any_program_leaves_what_torchs_fused_adamw_leaves(mode, program, dtype):
@@ -185,7 +205,8 @@ def test_any_program_leaves_what_torchs_fused_adamw_leaves(mode, program, dtype)
         model = copy.deepcopy(ref_model)
         ref = torch.optim.AdamW(trainable(ref_model), lr=LR, weight_decay=0.1, fused=True)
         opt = CPUOffloadOptimizer(model.parameters(), lr=LR, weight_decay=0.1,
-                                  offload_gradients=mode == "offload_gradients")
+                                  offload_gradients=mode == "offload_gradients",
+                                  device_fraction=0.5 if mode == "device_fraction" else 0.0)
         twins = ((ref_model, ref), (model, opt))
         for step, op in enumerate(program):
             _apply(op, twins, step, mode == "offload_gradients", mode == "streamed")
