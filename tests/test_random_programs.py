@@ -213,3 +213,103 @@ def test_any_program_leaves_what_torchs_fused_adamw_leaves(mode, program, dtype)
             _assert_same(twins, f"{program[:step + 1]}")
     finally:
         streamed._ON_CPU, streamed.CHUNK_NUMEL = saved
+
+
+# ---------------------------------------------------------------- under optimizer_in_bwd
+
+IN_BACKWARD_OPERATIONS = st.one_of(
+    st.tuples(st.just("train")),
+    st.tuples(st.just("edit weight"), st.integers(0, 3), st.sampled_from([0.5, -1.0, 0.0])),
+    st.tuples(st.just("load weights"), st.integers(0, 5)),
+    st.tuples(st.just("lr"), st.sampled_from([0.0, 1e-3, 3e-2])),
+    st.tuples(st.just("hyperparameter"), st.sampled_from(["weight_decay", "betas", "eps", "maximize"]),
+              st.integers(0, 1)),
+    st.tuples(st.just("save and load")),
+    st.tuples(st.just("load torch's state")),
+    st.tuples(st.just("edit moment"), st.integers(0, 3), st.sampled_from(["exp_avg", "exp_avg_sq"]),
+              st.sampled_from([0.5, 2.0])),
+    st.tuples(st.just("replace moment"), st.integers(0, 3), st.sampled_from(["exp_avg", "exp_avg_sq"])),
+    st.tuples(st.just("edit step"), st.integers(0, 3), st.sampled_from([1.0, 7.0, 100.0])),
+    st.tuples(st.just("fused off")),
+)
+
+
+def _apply_in_backward(op, ref_model, ref_optims, model, optims, step: int) -> None:
+    """One operation on both twins, each parameter with its own optimizer stepped in its
+    gradient hook (torchtune's register_optim_in_bwd_hooks, as its stock full configs set)."""
+    pairs = list(zip(ref_optims.values(), optims.values()))
+    kind = op[0]
+    if kind == "train":
+        for m in (ref_model, model):
+            x, y = batch(step, 0, "cpu", next(m.parameters()).dtype)
+            ((m(x) - y) ** 2).mean().backward()
+    elif kind == "edit weight":
+        with torch.no_grad():
+            for m in (ref_model, model):
+                trainable(m)[op[1]].mul_(op[2])
+    elif kind == "load weights":
+        new = make_model(dtype=next(model.parameters()).dtype, seed=op[1] + 1).state_dict()
+        ref_model.load_state_dict(new)
+        model.load_state_dict(new)
+    elif kind in ("lr", "hyperparameter", "fused off"):
+        for o in (o for pair in pairs for o in pair):
+            group = o.param_groups[0]
+            if kind == "lr":
+                group["lr"] = op[1]
+            elif kind == "hyperparameter":
+                group[op[1]] = HYPERPARAMETERS[op[1]][op[2]]
+            else:
+                group["fused"], group["foreach"] = False, False
+    elif kind == "save and load":
+        for o in (o for pair in pairs for o in pair):
+            o.load_state_dict(copy.deepcopy(o.state_dict()))
+    elif kind == "load torch's state":
+        for r, o in pairs:
+            o.load_state_dict(copy.deepcopy(r.state_dict()))
+    else:  # the state of one parameter: edited in place, replaced, or its step count
+        key = "step" if kind == "edit step" else op[2]
+        for o in pairs[op[1]]:
+            (p,) = o.param_groups[0]["params"]
+            if p not in o.state or key not in o.state[p]:
+                return  # (no state before its first step: nothing to edit in either)
+            state = o.state[p]
+            if kind == "edit moment":
+                state[key].mul_(op[3])
+            elif kind == "replace moment":
+                state[key] = state[key] * 2
+            else:
+                state[key].fill_(op[2])
+
+
+@pytest.mark.parametrize("mode", ["host", "streamed", "offload_gradients"])
+@settings(max_examples=100, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(program=st.lists(IN_BACKWARD_OPERATIONS, min_size=1, max_size=8),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_any_program_under_optimizer_in_bwd_leaves_what_torchs_leaves(mode, program, dtype):
+    from torchtune import training
+
+    saved = streamed._ON_CPU, streamed.CHUNK_NUMEL
+    streamed._ON_CPU, streamed.CHUNK_NUMEL = mode == "streamed", 640
+    try:
+        ref_model = make_model(dtype=dtype)
+        model = copy.deepcopy(ref_model)
+        ref_optims = {p: torch.optim.AdamW([p], lr=LR, weight_decay=0.1, fused=True) for p in trainable(ref_model)}
+        optims = {p: CPUOffloadOptimizer([p], lr=LR, weight_decay=0.1, offload_gradients=mode == "offload_gradients")
+                  for p in trainable(model)}
+        training.register_optim_in_bwd_hooks(ref_model, ref_optims)
+        training.register_optim_in_bwd_hooks(model, optims)
+        for step, op in enumerate(program):
+            _apply_in_backward(op, ref_model, ref_optims, model, optims, step)
+            where = f"{program[:step + 1]}"
+            for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
+                assert torch.equal(p, q), f"{name} after {where}"
+            for r, o in zip(ref_optims.values(), optims.values()):
+                ours, theirs = o.state_dict()["state"], r.state_dict()["state"]
+                assert ours.keys() == theirs.keys(), where
+                for index, entry in theirs.items():
+                    for key, value in entry.items():
+                        mine = ours[index][key].reshape(value.shape).to(value.dtype)
+                        assert torch.equal(mine, value), f"state {key} after {where}"
+    finally:
+        streamed._ON_CPU, streamed.CHUNK_NUMEL = saved
