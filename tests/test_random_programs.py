@@ -5,12 +5,14 @@ A program is a list of operations, each applied to two twins: the model under
 CPUOffloadOptimizer and a deep copy under torch's fused AdamW. Training steps (accumulation,
 torchtune's scaling by 1/tokens, clipping, both zero_grad flavours), weights edited in
 place or loaded, lr changed, state read, edited in place, replaced, saved and loaded back,
-step counts edited, and torch's own state dict loaded into ours. Three ways the update can
+step counts edited, and torch's own state dict loaded into ours. Four ways the update can
 run: the host update (what CPU parameters get), the streamed update's CPU twin (the default
 on a GPU, ``streamed._ON_CPU``), offloaded gradients (with our recipes' overlapped schedule
-among the operations) and half the update kept on the device (``device_fraction``).
+among the operations) and half the update kept on the device (``device_fraction``). And the
+same under torchtune's ``optimizer_in_bwd`` (one optimizer per parameter, in gradient hooks).
 """
 
+import contextlib
 import copy
 
 import pytest
@@ -23,28 +25,33 @@ from reference_twin import batch, make_model, trainable
 
 LR = 1e-2
 
-OPERATIONS = st.one_of(
-    st.tuples(st.just("train"), st.integers(1, 3), st.booleans(), st.sampled_from([None, 0.05, 1e3]),
-              st.booleans()),
+# Operations on both twins whatever steps them (one optimizer, or one per parameter).
+SHARED = [
     st.tuples(st.just("edit weight"), st.integers(0, 3), st.sampled_from([0.5, -1.0, 0.0])),
     st.tuples(st.just("load weights"), st.integers(0, 5)),
     st.tuples(st.just("lr"), st.sampled_from([0.0, 1e-3, 3e-2])),
+    st.tuples(st.just("hyperparameter"), st.sampled_from(["weight_decay", "betas", "eps", "maximize"]),
+              st.integers(0, 1)),
     st.tuples(st.just("save and load")),
     st.tuples(st.just("load torch's state")),
     st.tuples(st.just("edit moment"), st.integers(0, 3), st.sampled_from(["exp_avg", "exp_avg_sq"]),
               st.sampled_from([0.5, 2.0])),
     st.tuples(st.just("replace moment"), st.integers(0, 3), st.sampled_from(["exp_avg", "exp_avg_sq"])),
     st.tuples(st.just("edit step"), st.integers(0, 3), st.sampled_from([1.0, 7.0, 100.0])),
+    st.tuples(st.just("fused off")),
+]
+OPERATIONS = st.one_of(
+    st.tuples(st.just("train"), st.integers(1, 3), st.booleans(), st.sampled_from([None, 0.05, 1e3]),
+              st.booleans()),
+    *SHARED,
     st.tuples(st.just("zero_grad kept, step")),
-    st.tuples(st.just("hyperparameter"), st.sampled_from(["weight_decay", "betas", "eps", "maximize"]),
-              st.integers(0, 1)),
     st.tuples(st.just("load ours into torch")),
     st.tuples(st.just("write .data, reload"), st.integers(0, 3)),
     st.tuples(st.just("add a group")),
-    st.tuples(st.just("fused off")),
     st.tuples(st.just("GradScaler step"), st.sampled_from([256.0, 3.0])),
     st.tuples(st.just("train overlapped"), st.integers(1, 3), st.sampled_from([None, 0.05]), st.booleans()),
 )
+IN_BACKWARD_OPERATIONS = st.one_of(st.tuples(st.just("train")), *SHARED)
 HYPERPARAMETERS = {"weight_decay": [0.0, 0.3], "betas": [(0.8, 0.99), (0.0, 0.5)], "eps": [1e-6, 1e-3],
                    "maximize": [True, False]}
 
@@ -77,6 +84,49 @@ def _train(model, opt, ours: bool, step: int, accum: int, via_optimizer: bool, c
     opt.zero_grad(set_to_none=set_to_none)
 
 
+def _apply_shared(op, ref_model, ref_optims: list, model, optims: list) -> None:
+    """One of the SHARED operations on both twins, each with its optimizers (one, or one
+    per parameter as under optimizer_in_bwd)."""
+    kind, twins = op[0], ((ref_model, ref_optims), (model, optims))
+    every = ref_optims + optims
+    if kind == "edit weight":
+        with torch.no_grad():
+            for m, _ in twins:
+                trainable(m)[op[1]].mul_(op[2])
+    elif kind == "load weights":
+        new = make_model(dtype=next(model.parameters()).dtype, seed=op[1] + 1).state_dict()
+        for m, _ in twins:
+            m.load_state_dict(new)
+    elif kind in ("lr", "hyperparameter", "fused off"):
+        for group in (g for o in every for g in o.param_groups):
+            if kind == "lr":
+                group["lr"] = op[1]
+            elif kind == "hyperparameter":
+                group[op[1]] = HYPERPARAMETERS[op[1]][op[2]]
+            else:  # torch's AdamW goes on with its for-loop; ours says so and follows
+                group["fused"], group["foreach"] = False, False
+    elif kind == "save and load":
+        for o in every:
+            o.load_state_dict(copy.deepcopy(o.state_dict()))
+    elif kind == "load torch's state":
+        for r, o in zip(ref_optims, optims):
+            o.load_state_dict(copy.deepcopy(r.state_dict()))
+    else:  # one parameter's state: a moment edited in place or replaced, or its step count
+        key = "step" if kind == "edit step" else op[2]
+        for m, opts in twins:
+            p = trainable(m)[op[1]]
+            o = next(o for o in opts if any(q is p for g in o.param_groups for q in g["params"]))
+            if p not in o.state or key not in o.state[p]:
+                return  # (no state before its first step: nothing to edit in either)
+            state = o.state[p]
+            if kind == "edit moment":
+                state[key].mul_(op[3])
+            elif kind == "replace moment":
+                state[key] = state[key] * 2
+            else:
+                state[key].fill_(op[2])
+
+
 def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> None:
     (ref_model, ref), (model, opt) = twins
     kind = op[0]
@@ -103,44 +153,10 @@ def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> No
         opt.step()
         opt.zero_grad()
         opt.finish_step()  # (a step that returned early: the weights are read next)
-    elif kind == "edit weight":
-        _, index, scale = op
-        with torch.no_grad():
-            for m in (ref_model, model):
-                trainable(m)[index].mul_(scale)
-    elif kind == "load weights":
-        new = make_model(dtype=next(model.parameters()).dtype, seed=op[1] + 1).state_dict()
-        ref_model.load_state_dict(new)
-        model.load_state_dict(new)
-    elif kind == "lr":
-        for o in (ref, opt):
-            for group in o.param_groups:
-                group["lr"] = op[1]
-    elif kind == "save and load":
-        ref.load_state_dict(copy.deepcopy(ref.state_dict()))
-        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    elif kind == "load torch's state":
-        opt.load_state_dict(copy.deepcopy(ref.state_dict()))
-    elif kind in ("edit moment", "replace moment", "edit step"):
-        index, key = op[1], op[2] if kind != "edit step" else "step"
-        for m, o in ((ref_model, ref), (model, opt)):
-            p = trainable(m)[index]
-            if p not in o.state or key not in o.state[p]:
-                return  # (no state before its first step: nothing to edit in either)
-            state = o.state[p]
-            if kind == "edit moment":
-                state[key].mul_(op[3])
-            elif kind == "replace moment":
-                state[key] = state[key] * 2
-            else:
-                state[key].fill_(op[2])
     elif kind == "zero_grad kept, step":
-        for m, o in ((ref_model, ref), (model, opt)):
+        for o in (ref, opt):
             o.zero_grad(set_to_none=False)
             o.step()
-    elif kind == "hyperparameter":
-        for o in (ref, opt):
-            o.param_groups[0][op[1]] = HYPERPARAMETERS[op[1]][op[2]]
     elif kind == "load ours into torch":
         ref.load_state_dict(copy.deepcopy(opt.state_dict()))
     elif kind == "write .data, reload":
@@ -150,7 +166,7 @@ def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> No
     elif kind == "add a group":
         if len(ref.param_groups) > 1:
             return  # (the first layer only once)
-        for m, o in ((ref_model, ref), (model, opt)):
+        for m, o in twins:
             m[0].requires_grad_(True)
             o.add_param_group({"params": list(m[0].parameters()), "lr": LR / 2})
     elif kind == "GradScaler step":
@@ -163,31 +179,40 @@ def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> No
             # fused kernel divides by the scale (README): the same bits for its scales, powers
             # of two, but not for others. The streamed update hands the scale to the kernel.
             return
-        for m, o in ((ref_model, ref), (model, opt)):
+        for m, o in twins:
             scaler = torch.amp.GradScaler("cpu", init_scale=op[1])
             x, y = batch(step, 0, "cpu", next(m.parameters()).dtype)
             scaler.scale(((m(x) - y) ** 2).mean()).backward()
             scaler.step(o)
             scaler.update()
             o.zero_grad()
-    elif kind == "fused off":  # torch's AdamW goes on with its for-loop; ours says so and follows
-        for o in (ref, opt):
-            for group in o.param_groups:
-                group["fused"], group["foreach"] = False, False
+    else:
+        _apply_shared(op, ref_model, [ref], model, [opt])
 
 
-def _assert_same(twins, where: str) -> None:
-    (ref_model, ref), (model, opt) = twins
+def _assert_same(ref_model, ref_optims: list, model, optims: list, where: str) -> None:
     for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
         assert torch.equal(p, q), f"{name} after {where}"
-    ours, theirs = opt.state_dict(), ref.state_dict()
-    assert ours["state"].keys() == theirs["state"].keys(), where
-    for index, entry in theirs["state"].items():
-        for key, value in entry.items():
-            mine = ours["state"][index][key]
-            assert torch.equal(mine.reshape(value.shape).to(value.dtype), value), f"state {index} {key} after {where}"
-    for a, b in zip(ours["param_groups"], theirs["param_groups"]):
-        assert a["lr"] == b["lr"], where
+    for ref, opt in zip(ref_optims, optims):
+        ours, theirs = opt.state_dict(), ref.state_dict()
+        assert ours["state"].keys() == theirs["state"].keys(), where
+        for index, entry in theirs["state"].items():
+            for key, value in entry.items():
+                mine = ours["state"][index][key].reshape(value.shape).to(value.dtype)
+                assert torch.equal(mine, value), f"state {index} {key} after {where}"
+        assert [g["lr"] for g in ours["param_groups"]] == [g["lr"] for g in theirs["param_groups"]], where
+
+
+@contextlib.contextmanager
+def _streamed_on_cpu(enabled: bool):
+    """The streamed update's CPU twin, 32x32 weights cut in ranges (a multiple of the CPU
+    kernel's vector width: its scalar tail rounds differently, CUDA's does not)."""
+    saved = streamed._ON_CPU, streamed.CHUNK_NUMEL
+    streamed._ON_CPU, streamed.CHUNK_NUMEL = enabled, 640
+    try:
+        yield
+    finally:
+        streamed._ON_CPU, streamed.CHUNK_NUMEL = saved
 
 
 @pytest.mark.parametrize("mode", ["host", "streamed", "offload_gradients", "device_fraction"])
@@ -196,89 +221,16 @@ def _assert_same(twins, where: str) -> None:
 @given(program=st.lists(OPERATIONS, min_size=1, max_size=8),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_any_program_leaves_what_torchs_fused_adamw_leaves(mode, program, dtype):
-    saved = streamed._ON_CPU, streamed.CHUNK_NUMEL
-    # The streamed update's CPU twin, 32x32 weights cut in ranges (a multiple of the CPU
-    # kernel's vector width: its scalar tail rounds differently, CUDA's does not).
-    streamed._ON_CPU, streamed.CHUNK_NUMEL = mode == "streamed", 640
-    try:
+    with _streamed_on_cpu(mode == "streamed"):
         ref_model = make_model(dtype=dtype)
         model = copy.deepcopy(ref_model)
         ref = torch.optim.AdamW(trainable(ref_model), lr=LR, weight_decay=0.1, fused=True)
         opt = CPUOffloadOptimizer(model.parameters(), lr=LR, weight_decay=0.1,
                                   offload_gradients=mode == "offload_gradients",
                                   device_fraction=0.5 if mode == "device_fraction" else 0.0)
-        twins = ((ref_model, ref), (model, opt))
         for step, op in enumerate(program):
-            _apply(op, twins, step, mode == "offload_gradients", mode == "streamed")
-            _assert_same(twins, f"{program[:step + 1]}")
-    finally:
-        streamed._ON_CPU, streamed.CHUNK_NUMEL = saved
-
-
-# ---------------------------------------------------------------- under optimizer_in_bwd
-
-IN_BACKWARD_OPERATIONS = st.one_of(
-    st.tuples(st.just("train")),
-    st.tuples(st.just("edit weight"), st.integers(0, 3), st.sampled_from([0.5, -1.0, 0.0])),
-    st.tuples(st.just("load weights"), st.integers(0, 5)),
-    st.tuples(st.just("lr"), st.sampled_from([0.0, 1e-3, 3e-2])),
-    st.tuples(st.just("hyperparameter"), st.sampled_from(["weight_decay", "betas", "eps", "maximize"]),
-              st.integers(0, 1)),
-    st.tuples(st.just("save and load")),
-    st.tuples(st.just("load torch's state")),
-    st.tuples(st.just("edit moment"), st.integers(0, 3), st.sampled_from(["exp_avg", "exp_avg_sq"]),
-              st.sampled_from([0.5, 2.0])),
-    st.tuples(st.just("replace moment"), st.integers(0, 3), st.sampled_from(["exp_avg", "exp_avg_sq"])),
-    st.tuples(st.just("edit step"), st.integers(0, 3), st.sampled_from([1.0, 7.0, 100.0])),
-    st.tuples(st.just("fused off")),
-)
-
-
-def _apply_in_backward(op, ref_model, ref_optims, model, optims, step: int) -> None:
-    """One operation on both twins, each parameter with its own optimizer stepped in its
-    gradient hook (torchtune's register_optim_in_bwd_hooks, as its stock full configs set)."""
-    pairs = list(zip(ref_optims.values(), optims.values()))
-    kind = op[0]
-    if kind == "train":
-        for m in (ref_model, model):
-            x, y = batch(step, 0, "cpu", next(m.parameters()).dtype)
-            ((m(x) - y) ** 2).mean().backward()
-    elif kind == "edit weight":
-        with torch.no_grad():
-            for m in (ref_model, model):
-                trainable(m)[op[1]].mul_(op[2])
-    elif kind == "load weights":
-        new = make_model(dtype=next(model.parameters()).dtype, seed=op[1] + 1).state_dict()
-        ref_model.load_state_dict(new)
-        model.load_state_dict(new)
-    elif kind in ("lr", "hyperparameter", "fused off"):
-        for o in (o for pair in pairs for o in pair):
-            group = o.param_groups[0]
-            if kind == "lr":
-                group["lr"] = op[1]
-            elif kind == "hyperparameter":
-                group[op[1]] = HYPERPARAMETERS[op[1]][op[2]]
-            else:
-                group["fused"], group["foreach"] = False, False
-    elif kind == "save and load":
-        for o in (o for pair in pairs for o in pair):
-            o.load_state_dict(copy.deepcopy(o.state_dict()))
-    elif kind == "load torch's state":
-        for r, o in pairs:
-            o.load_state_dict(copy.deepcopy(r.state_dict()))
-    else:  # the state of one parameter: edited in place, replaced, or its step count
-        key = "step" if kind == "edit step" else op[2]
-        for o in pairs[op[1]]:
-            (p,) = o.param_groups[0]["params"]
-            if p not in o.state or key not in o.state[p]:
-                return  # (no state before its first step: nothing to edit in either)
-            state = o.state[p]
-            if kind == "edit moment":
-                state[key].mul_(op[3])
-            elif kind == "replace moment":
-                state[key] = state[key] * 2
-            else:
-                state[key].fill_(op[2])
+            _apply(op, ((ref_model, ref), (model, opt)), step, mode == "offload_gradients", mode == "streamed")
+            _assert_same(ref_model, [ref], model, [opt], f"{program[:step + 1]}")
 
 
 @pytest.mark.parametrize("mode", ["host", "streamed", "offload_gradients"])
@@ -287,11 +239,11 @@ def _apply_in_backward(op, ref_model, ref_optims, model, optims, step: int) -> N
 @given(program=st.lists(IN_BACKWARD_OPERATIONS, min_size=1, max_size=8),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_any_program_under_optimizer_in_bwd_leaves_what_torchs_leaves(mode, program, dtype):
+    """One optimizer per parameter, stepped in its gradient hook (torchtune's
+    register_optim_in_bwd_hooks, as its stock full configs set)."""
     from torchtune import training
 
-    saved = streamed._ON_CPU, streamed.CHUNK_NUMEL
-    streamed._ON_CPU, streamed.CHUNK_NUMEL = mode == "streamed", 640
-    try:
+    with _streamed_on_cpu(mode == "streamed"):
         ref_model = make_model(dtype=dtype)
         model = copy.deepcopy(ref_model)
         ref_optims = {p: torch.optim.AdamW([p], lr=LR, weight_decay=0.1, fused=True) for p in trainable(ref_model)}
@@ -300,16 +252,11 @@ def test_any_program_under_optimizer_in_bwd_leaves_what_torchs_leaves(mode, prog
         training.register_optim_in_bwd_hooks(ref_model, ref_optims)
         training.register_optim_in_bwd_hooks(model, optims)
         for step, op in enumerate(program):
-            _apply_in_backward(op, ref_model, ref_optims, model, optims, step)
-            where = f"{program[:step + 1]}"
-            for (name, p), q in zip(ref_model.named_parameters(), model.parameters()):
-                assert torch.equal(p, q), f"{name} after {where}"
-            for r, o in zip(ref_optims.values(), optims.values()):
-                ours, theirs = o.state_dict()["state"], r.state_dict()["state"]
-                assert ours.keys() == theirs.keys(), where
-                for index, entry in theirs.items():
-                    for key, value in entry.items():
-                        mine = ours[index][key].reshape(value.shape).to(value.dtype)
-                        assert torch.equal(mine, value), f"state {key} after {where}"
-    finally:
-        streamed._ON_CPU, streamed.CHUNK_NUMEL = saved
+            if op[0] == "train":
+                for m in (ref_model, model):
+                    x, y = batch(step, 0, "cpu", dtype)
+                    ((m(x) - y) ** 2).mean().backward()
+            else:
+                _apply_shared(op, ref_model, list(ref_optims.values()), model, list(optims.values()))
+            _assert_same(ref_model, list(ref_optims.values()), model, list(optims.values()),
+                         f"{program[:step + 1]}")
