@@ -164,8 +164,11 @@ class CPUOffloadOptimizer(Optimizer):
         pin_memory (bool): page-lock host buffers for fast asynchronous copies (CUDA only).
             Default: ``True``.
         nonfinite_grads (str): what a step with an inf or NaN gradient does: ``"skip"``
-            (update nothing, warn) or ``"raise"`` (FloatingPointError). Master weights and
-            optimizer state never take a non-finite gradient. Default: ``"skip"``.
+            (update nothing, warn) or ``"raise"`` (FloatingPointError). Where updates start
+            as gradients arrive (``overlap_next_step`` without clipping, ``optimizer_in_bwd``,
+            ``delayed_update`` without scaling or clipping) each parameter is judged alone:
+            one with a non-finite gradient is left unchanged, the others update. Master
+            weights and optimizer state never take a non-finite gradient. Default: ``"skip"``.
         check_host_memory (bool): before allocating, compare the host memory needed with
             what this process may use (MemAvailable, cgroup limit) and raise
             ``HostMemoryError`` naming both if it cannot fit. Default: ``True``.
