@@ -42,21 +42,43 @@ SHARED = [
 ]
 OPERATIONS = st.one_of(
     st.tuples(st.just("train"), st.integers(1, 3), st.booleans(), st.sampled_from([None, 0.05, 1e3]),
-              st.booleans()),
+              st.booleans(), st.sampled_from([False, False, True])),
     *SHARED,
     st.tuples(st.just("zero_grad kept, step")),
     st.tuples(st.just("load ours into torch")),
     st.tuples(st.just("write .data, reload"), st.integers(0, 3)),
     st.tuples(st.just("add a group")),
     st.tuples(st.just("GradScaler step"), st.sampled_from([256.0, 3.0])),
-    st.tuples(st.just("train overlapped"), st.integers(1, 3), st.sampled_from([None, 0.05]), st.booleans()),
+    st.tuples(st.just("train overlapped"), st.integers(1, 3), st.sampled_from([None, 0.05]), st.booleans(),
+              st.sampled_from([False, False, True])),
 )
 IN_BACKWARD_OPERATIONS = st.one_of(st.tuples(st.just("train")), *SHARED)
 HYPERPARAMETERS = {"weight_decay": [0.0, 0.3], "betas": [(0.8, 0.99), (0.0, 0.5)], "eps": [1e-6, 1e-3],
                    "maximize": [True, False]}
 
 
-def _train(model, opt, ours: bool, step: int, accum: int, via_optimizer: bool, clip, set_to_none: bool):
+def _poisoned(model, poison: bool):
+    """With ``poison``, the next backward gives the last layer's weight a NaN gradient."""
+    if not poison:
+        return contextlib.nullcontext()
+    return model[4].weight.register_hook(lambda g: g * float("nan"))  # (removed on exit)
+
+
+def _skip_nonfinite(opt, per_parameter: bool) -> bool:
+    """The twin's stand-in for ours' nonfinite_grads="skip": a step with a non-finite
+    gradient updates nothing (True: skip the step), or, where each update judges its own
+    gradient, leaves that parameter alone (its gradient dropped before the step)."""
+    params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    bad = [p for p in params if not bool(torch.isfinite(p.grad).all())]
+    if per_parameter:
+        for p in bad:
+            p.grad = None
+        return False
+    return bool(bad)
+
+
+def _train(model, opt, ours: bool, step: int, accum: int, via_optimizer: bool, clip, set_to_none: bool,
+           poison: bool = False):
     """torchtune's order: backward per micro-batch, scale by 1/count, clip, step, zero_grad."""
     from torchtune.training import scale_grads
 
@@ -64,7 +86,8 @@ def _train(model, opt, ours: bool, step: int, accum: int, via_optimizer: bool, c
     count = 0
     for micro in range(accum):
         x, y = batch(step, micro, "cpu", dtype)
-        ((model(x) - y) ** 2).sum().backward()
+        with _poisoned(model, poison and micro == accum - 1):
+            ((model(x) - y) ** 2).sum().backward()
         count += x.shape[0] * 3  # (not a power of two: the factor rounds)
     factor = 1 / torch.tensor(count)
     if ours and via_optimizer:
@@ -80,8 +103,25 @@ def _train(model, opt, ours: bool, step: int, accum: int, via_optimizer: bool, c
             order = model.parameters() if not via_optimizer else (
                 p for group in opt.param_groups for p in group["params"])
             torch.nn.utils.clip_grad_norm_(order, clip)
-    opt.step()
+    if ours or not _skip_nonfinite(opt, per_parameter=False):
+        opt.step()
     opt.zero_grad(set_to_none=set_to_none)
+
+
+def _train_overlapped_twin(model, opt, step: int, accum: int, clip, poison: bool, per_parameter: bool):
+    """What ours' overlapped step does, in torchtune's order with torch's optimizer."""
+    from torchtune.training import scale_grads
+
+    for micro in range(accum):
+        x, y = batch(step, micro, "cpu", next(model.parameters()).dtype)
+        with _poisoned(model, poison and micro == accum - 1):
+            ((model(x) - y) ** 2).sum().backward()
+    scale_grads(model, 1 / torch.tensor(3 * x.shape[0] * accum))
+    if clip is not None:
+        torch.nn.utils.clip_grad_norm_((p for g in opt.param_groups for p in g["params"]), clip)
+    if not _skip_nonfinite(opt, per_parameter):
+        opt.step()
+    opt.zero_grad()
 
 
 def _apply_shared(op, ref_model, ref_optims: list, model, optims: list) -> None:
@@ -131,23 +171,25 @@ def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> No
     (ref_model, ref), (model, opt) = twins
     kind = op[0]
     if kind == "train":
-        _, accum, via_optimizer, clip, set_to_none = op
+        _, accum, via_optimizer, clip, set_to_none, poison = op
         # Offloaded gradients are not on the model: only the optimizer reaches them.
         via_optimizer = via_optimizer or offload_gradients
-        _train(ref_model, ref, False, step, accum, via_optimizer, clip, set_to_none)
-        _train(model, opt, True, step, accum, via_optimizer, clip, set_to_none)
+        _train(ref_model, ref, False, step, accum, via_optimizer, clip, set_to_none, poison)
+        _train(model, opt, True, step, accum, via_optimizer, clip, set_to_none, poison)
     elif kind == "train overlapped":  # our recipes' schedule: the update starts during backward
         if not offload_gradients:
             return  # (overlap_next_step needs offloaded gradients)
-        _, accum, clip, early = op
+        _, accum, clip, early, poison = op
         dtype = next(model.parameters()).dtype
-        _train(ref_model, ref, False, step, accum, True, clip, True)
+        # (Without clipping each update starts as its gradient lands and judges it alone.)
+        _train_overlapped_twin(ref_model, ref, step, accum, clip, poison, per_parameter=clip is None)
         for micro in range(accum):
             x, y = batch(step, micro, "cpu", dtype)
             if micro == accum - 1:  # (the same 1/count as _train's)
                 opt.overlap_next_step(grad_scale=1 / torch.tensor(3 * x.shape[0] * accum),
                                       clipping=clip is not None, early_forward=early)
-            ((model(x) - y) ** 2).sum().backward()
+            with _poisoned(model, poison and micro == accum - 1):
+                ((model(x) - y) ** 2).sum().backward()
         if clip is not None:
             opt.clip_grad_norm_(clip)
         opt.step()
@@ -195,6 +237,13 @@ def _assert_same(ref_model, ref_optims: list, model, optims: list, where: str) -
         assert torch.equal(p, q), f"{name} after {where}"
     for ref, opt in zip(ref_optims, optims):
         ours, theirs = opt.state_dict(), ref.state_dict()
+        # The streamed update makes a parameter's state when it plans the step, before the
+        # verdict: a first step skipped for a non-finite gradient leaves step 0 and zero
+        # moments, which is what torch's AdamW makes at its first step (no entry yet there).
+        for index in ours["state"].keys() - theirs["state"].keys():
+            entry = ours["state"][index]
+            assert float(entry["step"]) == 0 and not any(bool(entry[k].any()) for k in ("exp_avg", "exp_avg_sq")), where
+            del ours["state"][index]
         assert ours["state"].keys() == theirs["state"].keys(), where
         for index, entry in theirs["state"].items():
             for key, value in entry.items():
