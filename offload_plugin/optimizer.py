@@ -801,12 +801,13 @@ class CPUOffloadOptimizer(Optimizer):
     def _overlap_multiplier(self, grad_scale: Union[float, torch.Tensor]) -> float:
         """The one number each overlapped update multiplies its gradient by: what
         torchtune's scale_grads would (see scaling.multiplier)."""
-        values = {multiplier(grad_scale, p.dtype, self._scaling.on_accelerator)
-                  for p in self._params()}
+        # (Once per dtype, not per parameter: this runs before every overlapped backward.)
+        dtypes = {p.dtype for p in self._params()}
+        values = {multiplier(grad_scale, dtype, self._scaling.on_accelerator) for dtype in dtypes}
         if len(values) > 1:
             raise ValueError(
                 "overlap_next_step(grad_scale=...) with trainable parameters of several dtypes "
-                f"({sorted({str(p.dtype) for p in self._params()})}) on a GPU: scale_grads "
+                f"({sorted(map(str, dtypes))}) on a GPU: scale_grads "
                 "rounds the factor to each gradient's dtype there, which one overlapped update "
                 "cannot. Give the trainable parameters one dtype, or call scale_grads() after "
                 "backward instead of passing grad_scale."
