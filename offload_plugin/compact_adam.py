@@ -39,17 +39,17 @@ lr 3e-4, 0.0021-0.0024 against 0.0024-0.0026 and 0.25; the exact master also mak
 and the conversions to and from torch's AdamW exact (docs/performance.md#compact). The
 remainder costs 2 bytes per parameter.
 
-Where the update's time goes (a 16-core Xeon of the H200 machine, one thread, data in
-cache): about 1.85 ns per element against 1.1 for the fp32-master update, which the
-divider bounds. Only two vector ports execute 512-bit operations there, and per 16
-elements the update does about 60 of them (a third of it decoding two codes), the
-quantization about 35 plus two gathers, so with 15 threads the compact update runs at
-about the fp32-master update's rate, compute-bound, rather than at the 2x its 14 bytes
-per element allow. Ways to cut the operation count, not done yet: decode the codes with
-byte-wise table permutes (AVX512-VBMI vpermi2b, 4 planes of 256 bytes) instead of
-arithmetic; pack the 16-bit and 8-bit outputs with vpackus*/vpermt2b over 32- and 64-element
-groups instead of vpmov* (2 micro-ops each); quantize by arithmetic on the map's decades
-(no gather) with the nearest code defined by that arithmetic.
+Where the update's time goes (one thread, data in cache): on a 16-core Xeon of the H200
+machine, about 1.85 ns per element against 1.1 for the fp32-master update, which the
+divider bounds, when the codes were decoded by arithmetic; with 15 threads the compact
+update ran at about the fp32-master update's rate, compute-bound, rather than at the 2x
+its 14 bytes per element allow. On a 2-core Sapphire Rapids VM (2026-12-03, 262,144
+elements), by leaving one part out at a time: 1.24 ns per element in all (the exact
+update 0.65), of which quantizing the two moments 0.39 (their two gathers 0.10),
+decoding them by arithmetic 0.22, sqrt and divide 0.15, packing the 16-bit outputs 0.06.
+Decoding by gather instead took it to 1.10 ns, byte-permute decoding (VBMI) to 1.19.
+Quantizing by arithmetic on the map's decades would replace a gather of 5 micro-ops by
+about as many operations; what remains is the update's own arithmetic.
 """
 
 from __future__ import annotations
@@ -110,8 +110,8 @@ def _decode_form(signed: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def dynamic_map(signed: bool) -> torch.Tensor:
     """The 256 sorted fp32 values of the dynamic tree map of Dettmers et al. (see
     _decode_form), each computed as d + beta * k in fp32 (two roundings: within a few
-    ulps of the exact centre), so that the native kernel can decode a code with
-    arithmetic instead of a table lookup and get these bits. bitsandbytes' qmaps are the
+    ulps of the exact centre; an earlier kernel decoded by that arithmetic, and saved
+    states mean these bits, so they stay). bitsandbytes' qmaps are the
     same map computed by other fp32 steps; from_bnb translates through its qmaps and never
     assumes they equal these."""
     d, beta, base = _decode_form(signed)
@@ -134,8 +134,7 @@ def _midpoints(values: torch.Tensor) -> torch.Tensor:
 
 class _MapArgs(ctypes.Structure):
     """adam_compact.cpp's Map: pointers to the tensors of a _Map."""
-    _fields_ = [("values", ctypes.c_void_p), ("table", ctypes.c_void_p), ("d", ctypes.c_void_p),
-                ("beta", ctypes.c_void_p), ("base", ctypes.c_void_p), ("k0", ctypes.c_int32),
+    _fields_ = [("values", ctypes.c_void_p), ("table", ctypes.c_void_p), ("k0", ctypes.c_int32),
                 ("nb", ctypes.c_int32)]
 
 
@@ -147,13 +146,9 @@ class _Map:
     k0: int
     nb: int
     signed: bool
-    d: torch.Tensor       # _decode_form
-    beta: torch.Tensor
-    base: torch.Tensor
 
     def args(self) -> _MapArgs:
-        return _MapArgs(self.values.data_ptr(), self.table.data_ptr(), self.d.data_ptr(),
-                        self.beta.data_ptr(), self.base.data_ptr(), self.k0, self.nb)
+        return _MapArgs(self.values.data_ptr(), self.table.data_ptr(), self.k0, self.nb)
 
 
 def _hi16(x: torch.Tensor) -> torch.Tensor:
@@ -197,7 +192,7 @@ def _map(signed: bool) -> _Map:
         none = 0xFFFF if sign > 0 else 0  # a compare that never passes
         halves.append((base << 16) | torch.where(inside == 1, low, torch.full_like(low, none)))
     table = torch.cat(halves).to(torch.int32)
-    return _Map(values, mids, table, k0, nb, signed, *_decode_form(signed))
+    return _Map(values, mids, table, k0, nb, signed)
 
 
 def quantize(x: torch.Tensor, signed: bool) -> Tuple[torch.Tensor, torch.Tensor]:

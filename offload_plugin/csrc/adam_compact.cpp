@@ -7,8 +7,8 @@
 //   grad       bf16   read only
 //
 // Per element this reads 8 bytes and writes 6 (the fp32-master update moves 28-30), so
-// where memory bandwidth bounds both it runs at up to twice that update's rate. It is not
-// there yet on a 16-core Xeon: decoding and quantizing cost about as much as the memory
+// where memory bandwidth bounds both it could run at up to twice that update's rate. It
+// does not on the Xeons measured: decoding and quantizing cost about as much as the memory
 // traffic saved (bench/compact_update_rate.py; the .py's notes say where the time goes).
 //
 // Block-wise 8-bit moments follow Dettmers et al., "8-bit Optimizers via Block-wise
@@ -27,8 +27,8 @@
 // but NaN (stored as a quiet NaN weight with remainder 0). Note that the remainder's bits
 // are simply the master's low 16 bits.
 //
-// Whole blocks take an AVX-512 path where the compiler targets it (intrinsics: table
-// lookups as gathers, the map decoded by arithmetic); partial blocks and other CPUs take
+// Whole blocks take an AVX-512 path where the compiler targets it (intrinsics: both table
+// lookups, decoding and quantizing, as gathers from L1); partial blocks and other CPUs take
 // the portable loop. Both give the same bits (the tests run both).
 
 #include <atomic>
@@ -96,14 +96,6 @@ inline void split_master(float p, uint16_t* w, int16_t* r) {
 struct Map {
   const float* values;     // 256 sorted values
   const uint32_t* table;   // nb entries (unsigned maps), 2 * nb (signed: negatives second)
-  // The values again, as arithmetic (the AVX-512 path decodes with it instead of a
-  // gather): code c has magnitude rank a (signed: |c - 127|, unsigned: c + 1), group
-  // j = bit length of a (signed) or one less (unsigned), and value d[j] + beta[j] *
-  // (a - base[j]) in fp32, negated below code 127 in the signed map. compact_adam builds
-  // `values` with exactly these fp32 operations.
-  const float* d;          // 16 entries (9 used)
-  const float* beta;
-  const int32_t* base;
   int32_t k0, nb;
 };
 
@@ -244,27 +236,12 @@ inline void quantize16(__m512 y, const uint32_t* table, __m512i k0, __m512i top,
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(code));
 }
 
-// Map::values[codes] for 16 codes, from the map's arithmetic form (no gather).
-template <bool kSigned>
-inline __m512 decode16(const uint8_t* codes, __m512 d, __m512 beta, __m512i base) {
+// Map::values[codes] for 16 codes: one gather from the 1 KiB table, in L1. (Decoding by
+// the map's arithmetic, about 14 vector operations, took 15% longer per update on a
+// Sapphire Rapids core; byte permutes (VBMI vpermi2b over four byte planes) 8%.)
+inline __m512 decode16(const uint8_t* codes, const float* values) {
   const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-  __m512i a, j;
-  if (kSigned) {
-    const __m512i s = _mm512_sub_epi32(c, _mm512_set1_epi32(127));
-    a = _mm512_abs_epi32(s);
-    j = _mm512_sub_epi32(_mm512_set1_epi32(32), _mm512_lzcnt_epi32(a));
-  } else {
-    a = _mm512_add_epi32(c, _mm512_set1_epi32(1));
-    j = _mm512_sub_epi32(_mm512_set1_epi32(31), _mm512_lzcnt_epi32(a));
-  }
-  const __m512 k = _mm512_cvtepi32_ps(_mm512_sub_epi32(a, _mm512_permutexvar_epi32(j, base)));
-  __m512 v = _mm512_add_ps(_mm512_permutexvar_ps(j, d), _mm512_mul_ps(_mm512_permutexvar_ps(j, beta), k));
-  if (kSigned) {  // negative below code 127
-    const __mmask16 neg = _mm512_cmplt_epi32_mask(c, _mm512_set1_epi32(127));
-    v = _mm512_castsi512_ps(_mm512_mask_xor_epi32(_mm512_castps_si512(v), neg, _mm512_castps_si512(v),
-                                                  _mm512_set1_epi32(static_cast<int>(0x80000000u))));
-  }
-  return v;
+  return _mm512_i32gather_ps(c, values, 4);
 }
 
 // scaled_bf16 on 16 lanes (finite lanes: the rounding of float_to_bf16_rne without its
@@ -282,10 +259,6 @@ inline void update_block(uint16_t* __restrict weight, int16_t* __restrict remain
                          float* __restrict m_absmax, uint8_t* __restrict v_code,
                          float* __restrict v_absmax, const Map& mq, const Map& vq,
                          const Coefficients& c) {
-  const __m512 md = _mm512_loadu_ps(mq.d), mbeta = _mm512_loadu_ps(mq.beta);
-  const __m512i mbase = _mm512_loadu_si512(mq.base);
-  const __m512 vd = _mm512_loadu_ps(vq.d), vbeta = _mm512_loadu_ps(vq.beta);
-  const __m512i vbase = _mm512_loadu_si512(vq.base);
   alignas(64) float m_new[kBlock];
   alignas(64) float v_new[kBlock];
   const __m512 am = _mm512_set1_ps(*m_absmax), av = _mm512_set1_ps(*v_absmax);
@@ -310,8 +283,8 @@ inline void update_block(uint16_t* __restrict weight, int16_t* __restrict remain
     if (kPreScale) g = scaled_bf16x16(g, pre);
     g = _mm512_mul_ps(g, factor);
     if (kL2) g = _mm512_add_ps(g, _mm512_mul_ps(p, l2));
-    __m512 m = _mm512_mul_ps(decode16<true>(m_code + j, md, mbeta, mbase), am);
-    __m512 v = _mm512_mul_ps(decode16<false>(v_code + j, vd, vbeta, vbase), av);
+    __m512 m = _mm512_mul_ps(decode16(m_code + j, mq.values), am);
+    __m512 v = _mm512_mul_ps(decode16(v_code + j, vq.values), av);
     m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, omb1));
     v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
     p = _mm512_mul_ps(p, decay);
