@@ -142,7 +142,7 @@ def command(args, name: str) -> list[str]:
         # and a step's tokens/s depends on its samples' lengths (padded per batch).
         "seed=0",
     ]
-    return [sys.executable, "-c", LAUNCH, "run", *target, *common, *overrides]
+    return [sys.executable, "-c", LAUNCH, "run", *target, *common, *overrides, *args.extra]
 
 
 def parse(out: Path, stdout: str, warmup: int) -> dict:
@@ -256,6 +256,11 @@ def main() -> None:
     p.add_argument("--gpu-gib", type=float, default=None,
                    help="cap each run's GPU memory at this many GiB (the caching allocator's "
                         "per_process_memory_fraction), as on a smaller GPU")
+    p.add_argument("--extra", nargs="*", default=[],
+                   help="config overrides added to every run, e.g. torchtune's profiler: "
+                        "profiler.enabled=True profiler.wait_steps=4 profiler.warmup_steps=1 "
+                        "profiler.active_steps=1 profiler.num_cycles=1 (traces under each run's "
+                        "output_dir/profiling_outputs; bench/trace_summary.py reads them)")
     p.add_argument("--out", type=Path, default=None,
                    help="results JSON (default: bench/results/<date>-stock-<model>-<job>.json)")
     args = p.parse_args()
