@@ -57,8 +57,9 @@ log = logging.getLogger(__name__)
 CHUNK_NUMEL = 1 << 23
 RING_SIZE = 3
 # Queued steps inside a backward go to the GPU once they hold this many elements: a
-# transformer layer's small tensors travel together, its large ones about alone.
-FLUSH_NUMEL = 1 << 22
+# transformer layer's small tensors travel together, its large ones about alone. Benchmarks
+# set OFFLOAD_PLUGIN_FLUSH_NUMEL in a recipe's environment to try others.
+FLUSH_NUMEL = int(os.environ.get("OFFLOAD_PLUGIN_FLUSH_NUMEL", str(1 << 22)))
 # Staging offsets are multiples of this many elements (the kernels' vectorized loads).
 ALIGN = 64
 # Inside a backward, the hooks wait once the gradients handed to the update stream and not
