@@ -63,7 +63,8 @@ RUNS = {
         "ours_stock_no_in_bwd": ("stock", [OURS, "optimizer_in_bwd=False"]),
         "ours_stock_in_flight_256m": ("stock", [OURS]),  # (RUN_ENV: another in-backward bound)
         "ours_stock_in_flight_4g": ("stock", [OURS]),
-        "ours_stock_flush_32m": ("stock", [OURS]),
+        "ours_stock_flush_4m": ("stock", [OURS]),
+        "ours_stock_flush_128m": ("stock", [OURS]),
         "ours_recipe": ("ours", []),
         # Gradients kept on the GPU until step(): the streamed update (state through the GPU),
         # what the 1B and 3B configs ship since 2026-12-02.
@@ -105,10 +106,10 @@ RUN_ENV = {"ours_stock_host_update": {"OFFLOAD_PLUGIN_STREAMED": "0"},
            # that wait is what makes the in-backward drop-in vary between machines.
            "ours_stock_in_flight_256m": {"OFFLOAD_PLUGIN_IN_FLIGHT_MIB": "256"},
            "ours_stock_in_flight_4g": {"OFFLOAD_PLUGIN_IN_FLIGHT_MIB": "4096"},
-           # Steps queued in backward sent to the GPU in batches of 32 M elements instead of
-           # 4 M (streamed.FLUSH_NUMEL): about a third as many flushes, each with its fixed
-           # launches, on the autograd thread.
-           "ours_stock_flush_32m": {"OFFLOAD_PLUGIN_FLUSH_NUMEL": str(1 << 25)}}
+           # Steps queued in backward sent to the GPU in batches of 4 M elements (the default
+           # until session 24) or 128 M instead of 32 M (streamed.FLUSH_NUMEL).
+           "ours_stock_flush_4m": {"OFFLOAD_PLUGIN_FLUSH_NUMEL": str(1 << 22)},
+           "ours_stock_flush_128m": {"OFFLOAD_PLUGIN_FLUSH_NUMEL": str(1 << 27)}}
 LAUNCH = (  # tune in this process, so that its peak RSS is the recipe's
     "import resource, runpy, sys\n"
     "try:\n"

@@ -31,10 +31,9 @@
 #   bash bench/run_h200.sh dropin1b # torchtune's stock 1B full recipe and config with the drop-in (with and
 #                                   # without optimizer_in_bwd) against our recipe and 1B config as shipped,
 #                                   # three alternating rounds (about 4 minutes)
-#   bash bench/run_h200.sh inbwdsweep  # the stock 1B full drop-in under optimizer_in_bwd as it ships, with the
-#                                   # hooks' bound on waiting gradients at 4 GiB (1 by default), and with
-#                                   # flushes of 32 M elements (4 M), against our recipe, three alternating
-#                                   # rounds (about 6 minutes)
+#   bash bench/run_h200.sh inbwdsweep  # the stock 1B full drop-in under optimizer_in_bwd as it ships (flushes
+#                                   # of 32 M elements), with flushes of 4 M (the old default) and 128 M,
+#                                   # against our recipe, two alternating rounds (about 4 minutes)
 #   bash bench/run_h200.sh compactgpu  # the Triton prototype of CompactAdamW's update on the GPU (issue #20):
 #                                   # its bits against the CPU update, its rate against torch's fused AdamW
 #                                   # (about a minute)
@@ -122,8 +121,8 @@ for stage in "$@"; do
         python3 bench/bench_stock.py --job full --model 1b --steps 12 --warmup 3 --repeats 3 \
             --runs ours_recipe,ours_stock,ours_stock_no_in_bwd | tee "$OUT/stock_1b_full_rounds.txt" ;;
     inbwdsweep)
-        python3 bench/bench_stock.py --job full --model 1b --steps 12 --warmup 3 --repeats 3 \
-            --runs ours_stock,ours_stock_in_flight_4g,ours_stock_flush_32m,ours_recipe \
+        python3 bench/bench_stock.py --job full --model 1b --steps 12 --warmup 3 --repeats 2 \
+            --runs ours_stock,ours_stock_flush_4m,ours_stock_flush_128m,ours_recipe \
             | tee "$OUT/stock_1b_full_in_flight.txt" ;;
     compactgpu)
         python3 bench/compact_gpu_update.py --check-numel 1049421 | tee "$OUT/compact_gpu_update.txt" ;;

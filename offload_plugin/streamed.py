@@ -56,10 +56,13 @@ log = logging.getLogger(__name__)
 # moments) costs 96 MiB of device memory for bf16 parameters.
 CHUNK_NUMEL = 1 << 23
 RING_SIZE = 3
-# Queued steps inside a backward go to the GPU once they hold this many elements: a
-# transformer layer's small tensors travel together, its large ones about alone. Benchmarks
-# set OFFLOAD_PLUGIN_FLUSH_NUMEL in a recipe's environment to try others.
-FLUSH_NUMEL = int(os.environ.get("OFFLOAD_PLUGIN_FLUSH_NUMEL", str(1 << 22)))
+# Queued steps inside a backward go to the GPU once they hold this many elements (64 MiB of
+# bf16 gradients: a 1B transformer layer's tensors in two or three flushes). Each flush costs
+# the autograd thread a dozen launches and some Python, which delays backward's own
+# launches: with 4 M elements (about 100 flushes a 1B backward) the stock 1B full drop-in
+# ran 0.78x our recipe, with 32 M 1.05x (2026-12-03, bench/run_h200.sh inbwdsweep).
+# Benchmarks set OFFLOAD_PLUGIN_FLUSH_NUMEL in a recipe's environment to try others.
+FLUSH_NUMEL = int(os.environ.get("OFFLOAD_PLUGIN_FLUSH_NUMEL", str(1 << 25)))
 # Staging offsets are multiples of this many elements (the kernels' vectorized loads).
 ALIGN = 64
 # Inside a backward, the hooks wait once the gradients handed to the update stream and not

@@ -337,7 +337,7 @@ def test_stock_bench_gives_every_run_the_same_batches(tmp_path):
 
     bench = _bench_module("bench_stock")
     args = argparse.Namespace(work=tmp_path, job="qlora", model="1b", checkpoint=tmp_path / "ckpt",
-                              seq_len=1024, batch_size=4, steps=12)
+                              seq_len=1024, batch_size=4, steps=12, extra=[])
     for name in bench.RUNS["qlora"]:
         assert "seed=0" in bench.command(args, name)
 
@@ -354,7 +354,7 @@ def test_stock_bench_runs_name_real_recipes_and_configs(tmp_path):
     for model in bench.MODELS:
         for job in bench.RUNS:
             args = argparse.Namespace(work=tmp_path, job=job, model=model, checkpoint=tmp_path / "ckpt",
-                                      seq_len=1024, batch_size=4, steps=12)
+                                      seq_len=1024, batch_size=4, steps=12, extra=[])
             for name, (recipe, _) in bench.RUNS[job].items():
                 cmd = bench.command(args, name)
                 target, config = cmd[4], cmd[cmd.index("--config") + 1]
