@@ -105,6 +105,8 @@ def main() -> None:
     for root in args.paths:
         files = [root] if root.is_file() else sorted(
             f for f in root.rglob("*") if f.name.endswith((".json", ".json.gz")))
+        if not files:
+            print(f"== {root}: no trace (*.json, *.json.gz) there\n", flush=True)
         for f in files:
             print(summarize(f, args.gaps) + "\n", flush=True)
 
