@@ -43,7 +43,7 @@ def summarize(path: Path, gaps: int = 8) -> str:
     lo = min((e["ts"] for e in steps), default=min(e["ts"] for e in events))
     hi = max((e["ts"] + e["dur"] for e in steps), default=max(e["ts"] + e["dur"] for e in events))
     inside = [e for e in events if lo <= e["ts"] < hi]
-    out = [f"== {path}", f"step(s) {', '.join(e['name'] for e in steps) or '(none marked)'}: "
+    out = [f"step(s) {', '.join(e['name'] for e in steps) or '(none marked)'}: "
                          f"{(hi - lo) / 1e3:.1f} ms"]
 
     runtime = collections.defaultdict(lambda: collections.Counter())
@@ -107,7 +107,8 @@ def main() -> None:
             f for f in root.rglob("*") if f.name.endswith((".json", ".json.gz")))
         if not files:
             print(f"== {root}: no trace (*.json, *.json.gz) there\n", flush=True)
-        for f in files:
+        for f in files:  # (a 1B training step's trace takes a minute or more to read)
+            print(f"== {f} ({f.stat().st_size / 2**20:.0f} MiB)", flush=True)
             print(summarize(f, args.gaps) + "\n", flush=True)
 
 
