@@ -123,7 +123,7 @@ for stage in "$@"; do
     inbwdsweep)
         python3 bench/bench_stock.py --job full --model 1b --steps 12 --warmup 3 --repeats 2 \
             --runs ours_stock,ours_stock_flush_4m,ours_stock_flush_128m,ours_recipe \
-            | tee "$OUT/stock_1b_full_in_flight.txt" ;;
+            | tee "$OUT/stock_1b_full_inbwd_flush.txt" ;;
     compactgpu)
         python3 bench/compact_gpu_update.py --check-numel 1049421 | tee "$OUT/compact_gpu_update.txt" ;;
     8bstock)

@@ -60,7 +60,8 @@ RING_SIZE = 3
 # bf16 gradients: a 1B transformer layer's tensors in two or three flushes). Each flush costs
 # the autograd thread a dozen launches and some Python, which delays backward's own
 # launches: with 4 M elements (about 100 flushes a 1B backward) the stock 1B full drop-in
-# ran 0.78x our recipe, with 32 M 1.05x (2026-12-03, bench/run_h200.sh inbwdsweep).
+# ran 0.78x and 0.87x our recipe in two calls, with 32 M 1.05x and 0.99x (2026-12-03,
+# bench/run_h200.sh inbwdsweep).
 # Benchmarks set OFFLOAD_PLUGIN_FLUSH_NUMEL in a recipe's environment to try others.
 FLUSH_NUMEL = int(os.environ.get("OFFLOAD_PLUGIN_FLUSH_NUMEL", str(1 << 25)))
 # Staging offsets are multiples of this many elements (the kernels' vectorized loads).

@@ -337,7 +337,7 @@ def test_stock_bench_gives_every_run_the_same_batches(tmp_path):
 
     bench = _bench_module("bench_stock")
     args = argparse.Namespace(work=tmp_path, job="qlora", model="1b", checkpoint=tmp_path / "ckpt",
-                              seq_len=1024, batch_size=4, steps=12, extra=[])
+                              seq_len=1024, batch_size=4, steps=12)
     for name in bench.RUNS["qlora"]:
         assert "seed=0" in bench.command(args, name)
 
@@ -354,7 +354,7 @@ def test_stock_bench_runs_name_real_recipes_and_configs(tmp_path):
     for model in bench.MODELS:
         for job in bench.RUNS:
             args = argparse.Namespace(work=tmp_path, job=job, model=model, checkpoint=tmp_path / "ckpt",
-                                      seq_len=1024, batch_size=4, steps=12, extra=[])
+                                      seq_len=1024, batch_size=4, steps=12)
             for name, (recipe, _) in bench.RUNS[job].items():
                 cmd = bench.command(args, name)
                 target, config = cmd[4], cmd[cmd.index("--config") + 1]
@@ -444,25 +444,3 @@ def test_qlora_ab_tiny_cpu_smoke(tmp_path):
         assert len(run[name]["turn_time_ratios"]) == 2
     assert run["torch_adamw"]["speed_vs_torch_adamw"] == 1.0
     assert run["ours"]["speed_vs_torch_adamw"] > 0
-
-
-def test_trace_summary_reads_a_profiler_trace(tmp_path):
-    """bench/trace_summary.py on a real torch.profiler trace (CPU only here): the profiled
-    step is found and its length printed; a folder without traces says so."""
-    from torch.profiler import profile, schedule, tensorboard_trace_handler
-
-    summary = _bench_module("trace_summary")
-    model = torch.nn.Linear(64, 64)
-    with profile(schedule=schedule(wait=1, warmup=1, active=1, repeat=1),
-                 on_trace_ready=tensorboard_trace_handler(str(tmp_path / "trace"), use_gzip=True)) as prof:
-        for _ in range(4):
-            model(torch.randn(8, 64)).sum().backward()
-            prof.step()
-    (trace,) = (tmp_path / "trace").glob("*.json.gz")
-    text = summary.summarize(trace)
-    assert "step(s) ProfilerStep#2: " in text and " ms" in text
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    out = subprocess.run([sys.executable, str(REPO / "bench" / "trace_summary.py"), str(empty)],
-                         capture_output=True, text=True, check=True).stdout
-    assert "no trace" in out
