@@ -211,6 +211,10 @@ OPTIMIZERS = {
     # optimizer_in_bwd as torchtune's stock full-finetune configs set it, default options.
     "offload_in_bwd": lambda m, t, a: _ours_in_bwd(m, a),
     "offload_in_bwd_host": _host_update(lambda m, t, a: _ours_in_bwd(m, a)),
+    # Opt-in CompactAdamW under optimizer_in_bwd, no other option: its state streamed through
+    # the GPU (compact_streamed), and the same with its host update.
+    "compact_in_bwd": lambda m, t, a: _ours_in_bwd(m, a, optimizer_cls="offload_plugin.CompactAdamW"),
+    "compact_in_bwd_host": _host_update(lambda m, t, a: _ours_in_bwd(m, a, optimizer_cls="offload_plugin.CompactAdamW")),
     "gpu_adamw_in_bwd": lambda m, t, a: _InBackward(m, lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True)),
 }
 DEFAULT_OPTIMIZERS = "gpu_adamw,offload,offload_grads,torchao,bnb_paged8bit"

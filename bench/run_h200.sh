@@ -37,6 +37,8 @@
 #   bash bench/run_h200.sh compactgpu  # the Triton prototype of CompactAdamW's update on the GPU (issue #20):
 #                                   # its bits against the CPU update, its rate against torch's fused AdamW
 #                                   # (about a minute)
+#   bash bench/run_h200.sh compact8b  # issue #20: GPU tests of CompactAdamW's streamed update, then 8B
+#                                   # under a 24 GiB cap at 2k and 4k tokens: it against torchao (~8 min)
 #   bash bench/run_h200.sh 8bstock  # torchtune's stock 8B full config, no GPU cap: as shipped (PagedAdamW8bit),
 #                                   # torchao (gradients on the GPU), the drop-in, our 8B config (about 6 minutes)
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
@@ -90,6 +92,15 @@ for stage in "$@"; do
         python3 bench/bench_stock.py --job full --model 1b --steps 10 \
             --runs stock_as_shipped,torch_adamw,torchao,ours_stock,ours_stock_no_in_bwd,ours_recipe,ours_recipe_grads_on_gpu \
             | tee "$OUT/stock_1b_full.txt" ;;
+    compact8b)
+        # Issue #20: CompactAdamW streamed through the GPU under optimizer_in_bwd, 8B capped
+        # at 24 GiB, against torchao's offload optimizer (gradients to the host in backward).
+        python3 -m pytest tests/test_compact_streamed.py tests/test_compact_gpu_update.py -q -p no:warnings -rs 2>&1 | tail -6
+        for t in 2048 4096; do
+            bench llama3_1_8b-full-$t-ac-24gib-compact-in-bwd --model llama3_1_8b --job full --tokens-per-step $t \
+                --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --steps 5 --warmup 2 \
+                --child-timeout 150 --optimizers compact_in_bwd,torchao
+        done ;;
     inbwd)
         python3 -m pytest tests/test_streamed_gpu.py tests/test_in_backward.py -q -p no:warnings 2>&1 | tail -3
         for t in 2048 4096; do

@@ -244,6 +244,11 @@ def master_of(weight: torch.Tensor, remainder: Optional[torch.Tensor]) -> torch.
     return _from_bits(((hi << 16) + remainder.reshape(-1).to(torch.int64)) & 0xFFFFFFFF)
 
 
+def zero_code(signed: bool) -> int:
+    """The code of 0.0 in a map (fresh moments are zeros)."""
+    return int(torch.searchsorted(_map(signed).mids, torch.zeros(1)))
+
+
 # --- the state --------------------------------------------------------------------------------
 
 @dataclass
@@ -269,7 +274,7 @@ class CompactAdamState:
         if weight.dtype != torch.bfloat16 or not weight.is_contiguous() or weight.dim() != 1:
             raise ValueError("CompactAdamState needs a flat, contiguous bf16 weight")
         n, blocks = weight.numel(), -(-weight.numel() // BLOCK)
-        zero_m = int(torch.searchsorted(_map(True).mids, torch.zeros(1)))  # code of 0.0
+        zero_m = zero_code(signed=True)
         return cls(
             weight=weight,
             remainder=torch.zeros(n, dtype=torch.int16) if master_weights else None,

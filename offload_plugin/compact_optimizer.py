@@ -66,6 +66,9 @@ class CompactAdamW(Optimizer):
     # CPUOffloadOptimizer refuses it with device_fraction and with other than bf16
     # parameters: its update runs on the bf16 host copies only.
     bf16_host_only = True
+    # CPUOffloadOptimizer streams this state through the GPU and updates it there
+    # (offload_plugin.compact_streamed) where it can, as it streams torch's AdamW's moments.
+    streams_compact = True
     # step(grad_scale=...) applies a gradient scale inside its pass (see step).
     scales_gradients_in_step = True
     # Group keys a checkpoint may lack: bitsandbytes' AdamW8bit has no "master" (its state
@@ -188,13 +191,34 @@ class CompactAdamW(Optimizer):
         """``p``'s entry if it keeps exact state (made at its first step if it is small)."""
         entry = self.state[p]
         if not entry and not self._compact_when_new(p, group):
-            entry.update(step=torch.zeros((), dtype=torch.float32),
-                         exp_avg=torch.zeros(p.shape, dtype=torch.float32),
-                         exp_avg_sq=torch.zeros(p.shape, dtype=torch.float32))
-            if group["master"]:
-                entry["remainder"] = torch.zeros(p.shape, dtype=torch.int16)
-            self._remember_version(p)
+            entry = self.init_state(p, group)
         return entry if entry and _is_exact(entry) else None
+
+    def init_state(self, p: torch.Tensor, group: dict, empty=torch.empty) -> dict:
+        """``p``'s state entry, made if it has none: zeros in the layout its size picks
+        (compact, or exact below ``min_8bit_size``). Made from ``p``'s shape alone, in
+        tensors from ``empty(shape, dtype=...)``: the streamed update makes them in
+        page-locked memory, for parameters that have no host copy."""
+        entry = self.state[p]
+        if entry:
+            return entry
+
+        def zeros(shape, dtype, fill=0):
+            return empty(shape, dtype=dtype).fill_(fill)
+
+        entry["step"] = torch.zeros((), dtype=torch.float32)
+        if self._compact_when_new(p, group):
+            zero_m = compact_adam.zero_code(signed=True)
+            entry.update(exp_avg=zeros(p.shape, torch.uint8, zero_m),
+                         exp_avg_absmax=zeros(self._scale_shape(p), torch.float32),
+                         exp_avg_sq=zeros(p.shape, torch.uint8),  # code 0 is 0.0 unsigned
+                         exp_avg_sq_absmax=zeros(self._scale_shape(p), torch.float32))
+        else:
+            entry.update(exp_avg=zeros(p.shape, torch.float32), exp_avg_sq=zeros(p.shape, torch.float32))
+        if group["master"]:
+            entry["remainder"] = zeros(p.shape, torch.int16)
+        self._remember_version(p)
+        return entry
 
     def _exact_step(self, p: torch.Tensor, group: dict, grad_scale: Optional[float]) -> None:
         """torch's fused AdamW on the fp32 master (weight + remainder), then split back."""
@@ -222,12 +246,7 @@ class CompactAdamW(Optimizer):
 
     def _compact(self, p: torch.Tensor, group: dict) -> compact_adam.CompactAdamState:
         """``p``'s state entry as a CompactAdamState over the same tensors (no copies)."""
-        entry = self.state[p]
-        if not entry:
-            fresh = compact_adam.CompactAdamState.zeros(p.view(-1), master_weights=group["master"])
-            entry.update({k: v.view(self._scale_shape(p)) if k in _SCALES else (v.view(p.shape) if v.dim() else v)
-                          for k, v in fresh.state_dict().items()})
-            self._remember_version(p)
+        entry = self.init_state(p, group)
         remainder = entry.get("remainder")
         state = compact_adam.CompactAdamState(
             weight=p.view(-1), remainder=None if remainder is None else remainder.view(-1),

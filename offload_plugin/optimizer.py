@@ -330,8 +330,9 @@ class CPUOffloadOptimizer(Optimizer):
             "skipped %d frozen tensors (%s elements).",
             self.optimizer_cls.__name__, c["kept"] - c["on_device"],
             f"{c['kept_numel'] - c['on_device_numel']:,}",
-            "with the state in host memory, updated on the device as torch's fused AdamW "
-            "(the state streamed through it)" if self._streamed is not None else "on the host",
+            ("with the state in host memory, updated on the device "
+             + ("by the compact kernel" if self._streamed._compact else "as torch's fused AdamW")
+             + " (the state streamed through it)") if self._streamed is not None else "on the host",
             f" and {c['on_device']} ({c['on_device_numel']:,} elements) on the device"
             if c["on_device"] else "",
             c["frozen"], f"{c['frozen_numel']:,}",

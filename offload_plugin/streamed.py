@@ -43,6 +43,7 @@ from typing import Optional
 
 import torch
 
+from offload_plugin import compact_streamed
 from offload_plugin.host_buffers import HostSlot, back_to_back
 from offload_plugin.gradients import check_dense
 from offload_plugin.host_update import _adam_state, check_hyperparameters
@@ -89,8 +90,13 @@ def eligible(opt, group: dict, params: list[torch.Tensor]) -> bool:
     device = params[0].device
     if not (device.type == "cuda" or (_ON_CPU and device.type == "cpu")):
         return False
-    if (opt.offload_gradients or opt.master_weights or opt.delayed_update
-            or opt._keep_ids or getattr(opt.optimizer_cls, "bf16_host_only", False)):
+    if opt.offload_gradients or opt.master_weights or opt.delayed_update or opt._keep_ids:
+        return False
+    if getattr(opt.optimizer_cls, "streams_compact", False):  # CompactAdamW: compact_streamed
+        return compact_streamed.applies(opt.optimizer_cls, device, _ON_CPU) is None and all(
+            (type(p) is torch.nn.Parameter or type(p) is torch.Tensor) and p.is_contiguous()
+            and p.dtype == torch.bfloat16 for p in params)
+    if getattr(opt.optimizer_cls, "bf16_host_only", False):
         return False
     if not issubclass(opt.optimizer_cls, torch.optim.Adam):
         return False
@@ -128,16 +134,19 @@ class StagingRing:
         self.in_flight: collections.deque = collections.deque()  # (event after a flush's kernels, its gradients' bytes)
         self.in_flight_bytes = 0
 
-    def reserve(self, dtype: torch.dtype, numel: int) -> None:
+    def reserve(self, dtype, numel: int, layout=None) -> None:
         """Buffers of at least ``numel`` elements (grown by doubling, at most CHUNK_NUMEL:
-        units are never larger)."""
+        units are never larger). ``dtype`` names the pool; ``layout(numel)``, if given,
+        lists the pair's (size, dtype) (compact_streamed.stage_layout), else two buffers
+        of ``numel`` elements of ``dtype``."""
         have = self.numel.get(dtype, 0)
         if numel <= have or not self.is_async:
             return
         numel = min(max(numel, 2 * have), CHUNK_NUMEL)
+        shapes = layout(numel) if layout is not None else [(numel, dtype)] * 2
         pairs = []
         for _ in range(RING_SIZE):
-            pair = tuple(torch.empty(numel, dtype=dtype, device=self.device) for _ in range(2))
+            pair = tuple(torch.empty(size, dtype=kind, device=self.device) for size, kind in shapes)
             for buf in pair:  # freed while queued work may still use them: not reused before
                 for stream in (self.load, self.update, self.store):
                     buf.record_stream(stream)
@@ -219,6 +228,7 @@ class _Plan:
     steps: list  # each slot's step count on the device (views of one tensor)
     params: list = dataclasses.field(default_factory=list)  # the slots' parameters
     data_ptrs: list = dataclasses.field(default_factory=list)  # their memory when the units were cut
+    compact: bool = False  # compact_streamed's units (CompactAdamW's state)
 
 
 @dataclasses.dataclass(eq=False)
@@ -230,6 +240,7 @@ class _Job:
     grads: list  # the plan's slots' gradients, in its order
     hyper: list  # per param group: the kernel and its arguments at step() time
     whole_step: bool  # False inside a backward: a parameter's verdict is its own
+    rows: list = dataclasses.field(default_factory=list)  # compact: each unit's coefficients
 
 
 @dataclasses.dataclass
@@ -241,6 +252,7 @@ class _Verdict:
     index: int
     count: int  # parameters judged
     whole_step: bool
+    orders: Optional[list] = None  # compact: the slots whose host step counts it settles
 
 
 class StreamedUpdate:
@@ -257,6 +269,13 @@ class StreamedUpdate:
         self._written: Optional[object] = None  # the last copy of state into host memory
         self._verdict: Optional[_Verdict] = None
         self._queued_on: Optional[StagingRing] = None  # a step of ours waits in its queue
+        # CompactAdamW's state (compact_streamed): where it lives, the kernel's scalars
+        # (from the host step counts, which each verdict settles), and each slot's weight
+        # version after our last update (a weight changed since drops its remainder).
+        self._compact = bool(getattr(opt.optimizer_cls, "streams_compact", False))
+        self._host_state: Optional[compact_streamed.HostState] = None
+        self._coefficients = compact_streamed.Coefficients()
+        self._versions: dict = {}
 
     def still_applies(self) -> bool:
         """Whether every group still asks for what the fused kernel does here. ``fused`` set
@@ -266,6 +285,8 @@ class StreamedUpdate:
         takes over, as building with that setting gives (see eligible). (A state dict of
         torch's AdamW built without fused=True loads fused=None. amsgrad switched on by hand
         over state without max_exp_avg_sq stays here: step() refuses it, as torch does.)"""
+        if self._compact:
+            return True  # (CompactAdamW's update is the same kernel whatever its groups say)
         state = self._opt._host_optimizer.state
         for index, group in enumerate(self._opt.param_groups):
             if not group.get("fused"):
@@ -297,6 +318,7 @@ class StreamedUpdate:
         if self._written is not None:
             self._written.synchronize()
             self._written = None
+        counted = self._steps_moved
         if self._steps_moved:
             self._steps_moved = False
             steps = self._device_steps.cpu()
@@ -308,7 +330,7 @@ class StreamedUpdate:
                 entry = state.get(slot.master)
                 if entry and "step" in entry:
                     entry["step"].copy_(steps[slot.order])
-        self._take_verdict()
+        self._take_verdict(counted=counted)
 
     def _adopt_edited_counts(self) -> None:
         """Step counts the user changed in the host state since it was handed out (in place
@@ -339,15 +361,22 @@ class StreamedUpdate:
         settle(): read the step counts and moments from it anew."""
         self._device_steps, self._step_views, self._steps_moved = None, [], False
         self._plans.clear()
+        # (remainders loaded now belong to the weights as they are now, as CompactAdamW's)
+        self._versions = {s.order: s.param._version for s in self._opt._slots}
 
-    def _take_verdict(self) -> None:
-        """Report the last step's verdict (its copy is long done when the next step starts)."""
+    def _take_verdict(self, counted: bool = False) -> None:
+        """Report the last step's verdict (its copy is long done when the next step starts),
+        and for compact state advance the host step counts of the slots it stepped, unless
+        ``counted``: read from the device just now."""
         verdict, self._verdict = self._verdict, None
         if verdict is None:
             return
         if verdict.done is not None:
             verdict.done.synchronize()
         if not float(verdict.found[verdict.index]):
+            if verdict.orders is not None and not counted:
+                for order in verdict.orders:
+                    self._host_counts[order] += 1
             return
         scaling = self._opt._scaling
         if verdict.whole_step:
@@ -406,19 +435,26 @@ class StreamedUpdate:
         # a backward's flush with other optimizers' steps. Refused here, nothing changed.
         for index, group in enumerate(groups):
             check_hyperparameters(index, group)
+        amp_scale = getattr(opt, "grad_scale", None)
+        if self._compact and amp_scale is not None:
+            raise ValueError(
+                "CPUOffloadOptimizer: CompactAdamW's streamed update takes no GradScaler scale "
+                "(its parameters are bf16, which needs no loss scaling): leave the GradScaler "
+                "out, or unscale the gradients with scaler.unscale_(optimizer) first. Nothing "
+                "was updated.")
         opt._scaling.apply_clip_now(grads)
         if plan is None:
             plan = self._plans[key] = self._plan(stepping)
         ring = plan.ring
+        rows = self._compact_rows(plan) if self._compact else []
         if in_backward:
             _flush_when_backward_ends(ring)
         # torch.amp.GradScaler's scale, handed over instead of unscaling the gradients (see
         # CPUOffloadOptimizer._step_supports_amp_scaling): the kernel divides by it, as torch's
         # fused AdamW's does. (Its found_inf is the verdict on these same gradients that
         # ours takes: a step it flags is skipped here too, the counts left as they were.)
-        amp_scale = getattr(opt, "grad_scale", None)
-        ring.queued.append(_Job(self, plan, grads, [_hyperparameters(g, opt._host_optimizer, amp_scale)
-                                                    for g in groups], whole_step=not in_backward))
+        hyper = [] if self._compact else [_hyperparameters(g, opt._host_optimizer, amp_scale) for g in groups]
+        ring.queued.append(_Job(self, plan, grads, hyper, whole_step=not in_backward, rows=rows))
         ring.queued_numel += sum(g.numel() for g in grads)
         self._queued_on = ring
         self._steps_moved = True
@@ -450,23 +486,66 @@ class StreamedUpdate:
                     f"CPUOffloadOptimizer: a parameter of shape {tuple(p.shape)} is not contiguous "
                     "now (its .data was replaced); the streamed update reads parameters as flat "
                     "memory. Assign a contiguous tensor (t.contiguous()). Nothing was updated.")
-        for slot in slots:  # the state torch's fused AdamW creates at a parameter's first step
-            _adam_state(opt._host_optimizer, slot, False)
-        groups = {id(p): g for g in opt.param_groups for p in g["params"]}
-        units = _plan_units(slots, opt.param_groups, groups, opt._host_optimizer.state)
-        position = {id(s): i for i, s in enumerate(slots)}
         shared = opt._shared  # (one device's resources: one ring)
         if shared.ring is None:
             shared.ring = StagingRing(slots[0].param.device)
         ring = shared.ring
-        for unit in units:
-            unit.at = [position[id(s)] for s, _, _ in unit.items]
-            ring.reserve(unit.exp_avg.dtype, unit.numel)
+        position = {id(s): i for i, s in enumerate(slots)}
+        if self._compact:
+            units = self._compact_units(slots, ring)
+            for unit in units:
+                unit.at = position[id(unit.slot)]
+        else:
+            for slot in slots:  # the state torch's fused AdamW creates at a parameter's first step
+                _adam_state(opt._host_optimizer, slot, False)
+            groups = {id(p): g for g in opt.param_groups for p in g["params"]}
+            units = _plan_units(slots, opt.param_groups, groups, opt._host_optimizer.state)
+            for unit in units:
+                unit.at = [position[id(s)] for s, _, _ in unit.items]
+                ring.reserve(unit.exp_avg.dtype, unit.numel)
         entries = [opt._host_optimizer.state[s.master] for s in slots]
         moments = [(e["exp_avg"], e["exp_avg_sq"]) for e in entries]
         params = [s.param for s in slots]
         return _Plan(slots, entries, moments, units, ring, self._steps_of(slots), params,
-                     list(map(torch.Tensor.data_ptr, params)))
+                     list(map(torch.Tensor.data_ptr, params)), compact=self._compact)
+
+    # ------------------------------------------------------------------ compact state
+    def _compact_units(self, slots: list[HostSlot], ring: StagingRing) -> list:
+        """CompactAdamW's state for ``slots`` (made, or moved into page-locked memory) and
+        the units it is cut into (compact_streamed)."""
+        opt = self._opt
+        host_opt = opt._host_optimizer
+        index_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        group_of = [index_of[id(s.param)] for s in slots]
+        if self._host_state is None:
+            self._host_state = compact_streamed.HostState(pin=ring.is_async and opt._arena.pin)
+        entries = self._host_state.ensure(host_opt, slots, [host_opt.param_groups[g] for g in group_of])
+        units = compact_streamed.plan_units(slots, entries, group_of, CHUNK_NUMEL)
+        for unit in units:
+            need, _ = compact_streamed.stage_need(unit)
+            ring.reserve(compact_streamed.POOL, 4 * need if unit.exact else need,
+                         layout=compact_streamed.stage_layout)
+        for slot in slots:
+            self._versions.setdefault(slot.order, slot.param._version)
+        return units
+
+    def _compact_rows(self, plan: _Plan) -> list:
+        """Each compact unit's kernel scalars for this step; before that, the remainder of
+        a weight changed outside the optimizer since our last update is dropped: the
+        weight is the master now (the parameter is the truth)."""
+        changed = [s for s in plan.slots if self._versions.get(s.order, s.param._version) != s.param._version]
+        if changed:
+            self.settle()  # (no copy into the host state in flight)
+            state = self._opt._host_optimizer.state
+            for slot in changed:
+                remainder = state[slot.master].get("remainder")
+                if remainder is not None:
+                    remainder.zero_()
+                self._versions[slot.order] = slot.param._version
+        groups = self._opt._host_optimizer.param_groups
+        counts = self._host_counts
+        return [None if unit.exact else self._coefficients.row(groups[unit.group], int(counts[unit.slot.order]) + 1)
+                for unit in plan.units]
 
     # ------------------------------------------------------------------ bookkeeping
     def _steps_of(self, slots: list[HostSlot]) -> list[torch.Tensor]:
@@ -540,11 +619,17 @@ def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
     with _on(ring.update):
         each, flags = _verdicts(jobs)
         torch._foreach_add_(steps, 1)
-    filling: dict = {}  # dtype -> [buffer index, elements used]: small units share a buffer
+        coeffs = _compact_coefficients(jobs, ring)
+    filling: dict = {}  # pool -> [buffer index, elements used, ...]: small units share a buffer
     for job, found in zip(jobs, each):
+        if job.plan.compact:
+            for unit, row in zip(job.plan.units, job.rows):
+                _run_compact_unit(unit, job, ring, found, coeffs[row] if row is not None else None, filling)
+            job.owner._versions.update((s.order, s.param._version) for s in job.plan.slots)
+            continue
         for unit in job.plan.units:
             _run_unit(unit, job.grads, job.plan.steps, ring, found, job.hyper[unit.group], filling)
-    for dtype, (index, _) in filling.items():
+    for dtype, (index, *_) in filling.items():
         ring.release(dtype, index)
     with _on(ring.update):
         torch._foreach_sub_(steps, [found for job, found in zip(jobs, each) for _ in job.plan.steps])
@@ -559,7 +644,57 @@ def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
         host.copy_(flags)
     for i, job in enumerate(jobs):
         job.owner._written = done
-        job.owner._verdict = _Verdict(done, host, i, len(job.plan.steps), job.whole_step)
+        orders = [s.order for s in job.plan.slots] if job.plan.compact else None
+        job.owner._verdict = _Verdict(done, host, i, len(job.plan.steps), job.whole_step, orders)
+
+
+def _compact_coefficients(jobs: list[_Job], ring: StagingRing) -> dict:
+    """The compact units' kernel scalars on the device, in one copy: row -> its tensor
+    (compact_streamed.Coefficients). Job.rows hold the rows themselves (tuples) until here,
+    where they are replaced by keys into the returned dict."""
+    rows: dict = {}
+    for job in jobs:
+        if job.plan.compact:
+            job.rows = [None if r is None else rows.setdefault(r, len(rows)) for r in job.rows]
+    if not rows:
+        return {}
+    host = torch.tensor(list(rows), dtype=torch.float32, pin_memory=ring.is_async)
+    table = host.to(ring.device, non_blocking=True) if ring.is_async else host
+    return dict(enumerate(table.unbind()))
+
+
+def _run_compact_unit(unit, job: _Job, ring: StagingRing, found: torch.Tensor,
+                      coeffs: Optional[torch.Tensor], filling: dict) -> None:
+    """Queue one compact unit (compact_streamed): its state in, the kernel, its state out.
+    Units share a staging pair while they fit (as _run_unit's)."""
+    pool = compact_streamed.POOL
+    grad = job.grads[unit.at]
+    if unit.start != 0 or unit.end != grad.numel():
+        grad = grad.view(-1)[unit.start:unit.end]
+    else:
+        grad = grad.view(-1)
+    group = job.owner._opt._host_optimizer.param_groups[unit.group]
+    step = job.plan.steps[unit.at]
+    if not ring.is_async:  # (tests on the CPU: the host state updated in place)
+        compact_streamed.update(unit, unit.host, grad, coeffs, found, step, group)
+        return
+    need, need_bytes = compact_streamed.stage_need(unit)
+    index, used, used_bytes = filling.get(pool, (None, 0, 0))
+    capacity = ring.numel[pool]
+    if index is None or used + need > capacity or used_bytes + need_bytes > ring.buffers(pool, index)[1].numel():
+        if index is not None:
+            ring.release(pool, index)
+        index, used, used_bytes = ring.take(pool), 0, 0
+    filling[pool] = (index, used + need, used_bytes + need_bytes)
+    views = compact_streamed.views_in(unit, ring, index, used, used_bytes)
+    with torch.cuda.stream(ring.load):
+        compact_streamed.stage_in(unit, views)
+    ring.update.wait_event(record(ring.load))
+    with torch.cuda.stream(ring.update):
+        compact_streamed.update(unit, views, grad, coeffs, found, step, group)
+    ring.store.wait_stream(ring.update)
+    with torch.cuda.stream(ring.store):
+        compact_streamed.stage_out(unit, views)
 
 
 def _verdicts(jobs: list[_Job]) -> tuple[list, torch.Tensor]:

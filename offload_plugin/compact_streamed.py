@@ -1,0 +1,323 @@
+"""The streamed update for ``CompactAdamW`` (issue #20): the compact state lives in host
+memory and passes through the GPU, where ``compact_gpu``'s kernel updates it next to the
+bf16 weight and gradient the GPU holds.
+
+The host update of the compact state reads and writes about 14 bytes of host memory per
+parameter with the host's cores, which bound it (3.9 G parameters/s in Llama-3.1-8B
+training on the H200 machine). Streamed, the host keeps 4 bytes per parameter (the int16
+remainder that makes the weight an exact fp32 master, and the two 8-bit moments with one
+fp32 absmax per 256 elements for each), which cross the bus both ways each step by DMA;
+no weight or gradient crosses it, and the host's cores do no arithmetic. The kernel gives
+the host update's bits (compact_gpu), so the same state moves between the two.
+
+This module holds what differs from the streamed exact update (offload_plugin.streamed,
+which queues, orders and settles both): the host state's layout in page-locked memory, the
+units it is cut into, the staging of each unit, and the kernels. Parameters under
+``min_8bit_size`` elements keep exact state (fp32 moments), as ``CompactAdamW`` keeps it:
+torch's fused AdamW updates their fp32 master (weight plus remainder) on the GPU, as
+torch's ``AdamW(fused=True)`` would there (on the host it is torch's CPU kernel, whose bits
+may differ in the last place).
+
+The bias corrections come from each parameter's step count, known on the host: the count
+of the last step is settled (its inf/NaN verdict read) before the next step is queued,
+which the streamed update does anyway. A step skipped for a non-finite gradient writes
+nothing, decided on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+import math
+import weakref
+from typing import Optional
+
+import torch
+
+from offload_plugin import compact_adam
+from offload_plugin.compact_adam import BLOCK
+from offload_plugin.host_buffers import HostSlot, _huge_page_block, _pin
+
+__all__ = ["applies", "POOL", "CompactUnit", "plan_units", "run_unit", "Coefficients"]
+
+log = logging.getLogger(__name__)
+
+POOL = "compact"  # the staging ring's pool for compact units (see stage_layout)
+_BYTE_ALIGN = 64
+
+
+def applies(optimizer_cls: type, device: torch.device, on_cpu: bool) -> Optional[str]:
+    """None if the streamed update can take ``optimizer_cls``'s compact state on ``device``,
+    else why not (the host update then runs)."""
+    if not getattr(optimizer_cls, "streams_compact", False):
+        return "not CompactAdamW"
+    if device.type == "cpu" and on_cpu:
+        return None  # (tests: the native CPU kernel on the host state in place)
+    if device.type != "cuda":
+        return "parameters not on a CUDA device"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (torch's CUDA wheels bring it)"
+    return None
+
+
+@dataclasses.dataclass(eq=False)
+class CompactUnit:
+    """Elements ``[start, end)`` of one parameter, and their state's host spans (flat):
+    ``(remainder or None, exp_avg_absmax, exp_avg_sq_absmax, exp_avg, exp_avg_sq)`` for
+    compact state, ``(remainder or None, exp_avg, exp_avg_sq)`` for exact (small) state."""
+
+    group: int
+    slot: HostSlot
+    start: int
+    end: int
+    exact: bool
+    host: tuple
+    param: torch.Tensor  # the device weight's flat view [start, end)
+    at: int = 0  # the slot's place among the step's gradients
+    stage_views: dict = dataclasses.field(default_factory=dict)
+    generation: int = -1
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def stage_layout(chunk_numel: int) -> list:
+    """The staging pair of the compact pool, for units of up to ``chunk_numel`` elements
+    (a multiple of BLOCK): int16 remainders, and bytes for the absmax and codes (compact)
+    or the fp32 moments (exact units, under 4096 elements)."""
+    return [(chunk_numel, torch.int16), (2 * chunk_numel + 8 * (chunk_numel // BLOCK), torch.uint8)]
+
+
+def stage_need(unit: CompactUnit) -> tuple[int, int]:
+    """(remainder elements, bytes) the unit takes in a staging pair, rounded so that the
+    next unit's views stay aligned (blocks of 256 elements; 64 bytes)."""
+    n = -(-unit.numel // BLOCK) * BLOCK
+    nbytes = 8 * unit.numel if unit.exact else 2 * n + 8 * (n // BLOCK)
+    return n, -(-nbytes // _BYTE_ALIGN) * _BYTE_ALIGN
+
+
+def _stage_views(unit: CompactUnit, rem: torch.Tensor, raw: torch.Tensor, at: int, at_byte: int) -> tuple:
+    """The unit's host spans' twins in a staging pair, from ``at`` (remainder elements)
+    and ``at_byte`` (bytes)."""
+    n = unit.numel
+    remainder = rem[at:at + n] if unit.host[0] is not None else None
+    raw = raw[at_byte:]
+    if unit.exact:
+        return remainder, raw[:4 * n].view(torch.float32), raw[4 * n:8 * n].view(torch.float32)
+    nb = -(-n // BLOCK)
+    return (remainder, raw[:4 * nb].view(torch.float32), raw[4 * nb:8 * nb].view(torch.float32),
+            raw[8 * nb:8 * nb + n], raw[8 * nb + n:8 * nb + 2 * n])
+
+
+# ---------------------------------------------------------------------------- the host state
+class HostState:
+    """Where one optimizer's compact state lives: entries made or loaded elsewhere are moved
+    into page-locked blocks (the copies to the GPU need it) the first time a plan takes
+    them; entries made here are made there."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._homed: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id -> tensor
+
+    def is_homed(self, t: torch.Tensor) -> bool:
+        return not self.pin or self._homed.get(id(t)) is t
+
+    def ensure(self, host_opt, slots: list[HostSlot], host_groups: list[dict]) -> list[dict]:
+        """Each slot's state entry, made (zeros) if it has none, all in page-locked memory."""
+        state = host_opt.state
+        fresh = [(s, g) for s, g in zip(slots, host_groups) if not state.get(s.master)]
+        if fresh:
+            total = 0
+            for slot, group in fresh:  # (sized on the meta device first, then made in one block)
+                made = host_opt.init_state(slot.master, group, empty=_on_meta)
+                total += sum(_aligned(_nbytes(t)) for k, t in made.items() if k != "step")
+                del state[slot.master]
+            carve = _Carver(self._block(total))
+            for slot, group in fresh:
+                self._remember(host_opt.init_state(slot.master, group, empty=carve.empty))
+        moved = [s for s in slots if not all(self.is_homed(t) for k, t in state[s.master].items() if k != "step")]
+        if moved:
+            total = sum(_aligned(_nbytes(t)) for s in moved
+                        for k, t in state[s.master].items() if k != "step")
+            carve = _Carver(self._block(total))
+            for slot in moved:
+                entry = state[slot.master]
+                for key, t in list(entry.items()):
+                    if key != "step":
+                        entry[key] = carve.empty(t.shape, dtype=t.dtype).copy_(t)
+                self._remember(entry)
+        return [state[s.master] for s in slots]
+
+    def _block(self, nbytes: int) -> torch.Tensor:
+        block = _huge_page_block(nbytes, torch.uint8)
+        if self.pin and nbytes and not _pin(block):
+            log.warning(
+                "Could not pin %.2f GiB of host memory for the compact state; using pageable "
+                "memory (slower copies). Check `ulimit -l` and free RAM.", nbytes / 2**30)
+        return block
+
+    def _remember(self, entry: dict) -> None:
+        if self.pin:
+            for key, t in entry.items():
+                if key != "step":
+                    self._homed[id(t)] = t
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _BYTE_ALIGN) * _BYTE_ALIGN
+
+
+def _on_meta(shape, dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Carver:
+    """An ``empty`` that cuts aligned views out of one byte block."""
+
+    def __init__(self, block: torch.Tensor) -> None:
+        self.block, self.at = block, 0
+
+    def empty(self, shape, dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        view = self.block[self.at:self.at + nbytes].view(dtype).view(shape)
+        self.at += _aligned(nbytes)
+        return view
+
+
+# ---------------------------------------------------------------------------- units
+def plan_units(slots: list[HostSlot], entries: list[dict], group_of: list[int],
+               chunk_numel: int) -> list[CompactUnit]:
+    """One unit per parameter, or per ``chunk_numel`` elements of a larger one (a multiple of
+    BLOCK, so that every unit's blocks are whole blocks of the parameter). Empty parameters
+    have none (their counts go on, as CompactAdamW's)."""
+    units = []
+    for slot, entry, group in zip(slots, entries, group_of):
+        n = slot.param.numel()
+        exact = "exp_avg_absmax" not in entry
+        remainder = entry.get("remainder")
+        flat = [None if remainder is None else remainder.view(-1)]
+        if exact:
+            flat += [entry["exp_avg"].view(-1), entry["exp_avg_sq"].view(-1)]
+        else:
+            flat += [entry[k].view(-1) for k in ("exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg", "exp_avg_sq")]
+        param = slot.param.detach().view(-1)
+        step = n if exact else chunk_numel
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            if exact:
+                host = tuple(flat)
+            else:
+                a_blk, b_blk = a // BLOCK, -(-b // BLOCK)
+                host = (None if flat[0] is None else flat[0][a:b], flat[1][a_blk:b_blk],
+                        flat[2][a_blk:b_blk], flat[3][a:b], flat[4][a:b])
+            units.append(CompactUnit(group, slot, a, b, exact, host, param[a:b]))
+    return units
+
+
+# ---------------------------------------------------------------------------- coefficients
+class Coefficients:
+    """The kernel's fp32 scalars (compact_adam._coefficients) of each (group settings, step
+    count), made once; a flush's rows go to the device in one copy."""
+
+    def __init__(self) -> None:
+        self._rows: dict = {}
+
+    def row(self, group: dict, step: int) -> tuple:
+        beta1, beta2 = group["betas"]
+        key = (float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]),
+               float(group["eps"]), bool(group.get("maximize", False)), step)
+        row = self._rows.get(key)
+        if row is None:
+            if len(self._rows) > 4096:  # (a schedule changes lr every step)
+                self._rows.clear()
+            row = self._rows[key] = tuple(compact_adam._coefficients(
+                key[0], key[1], key[2], key[3], key[4], step, True, key[5], None, None).tolist())
+        return row
+
+
+# ---------------------------------------------------------------------------- the kernels
+_gpu_maps: dict = {}
+
+
+def _maps(device: torch.device):
+    maps = _gpu_maps.get(device)
+    if maps is None:
+        from offload_plugin import compact_gpu
+        maps = _gpu_maps[device] = compact_gpu.GpuMaps(device)
+    return maps
+
+
+def update(unit: CompactUnit, views: tuple, grad: torch.Tensor, coeffs: torch.Tensor,
+           found: torch.Tensor, step: torch.Tensor, group: dict) -> None:
+    """The unit's update on the current stream, from ``views`` (staged or, on the CPU, the
+    host spans themselves): compact state by compact_gpu's kernel (the native CPU kernel in
+    tests), exact state by torch's fused AdamW on the fp32 master. Nothing is written when
+    ``found`` (the step's verdict) is nonzero."""
+    if unit.exact:
+        _exact_update(unit, views, grad, found, step, group)
+        return
+    remainder, m_absmax, v_absmax, m_codes, v_codes = views
+    if unit.param.device.type == "cuda":
+        from offload_plugin import compact_gpu
+        compact_gpu.update_(unit.param, remainder, grad, m_codes, m_absmax, v_codes, v_absmax,
+                            coeffs, found, _maps(unit.param.device))
+        return
+    if float(found):
+        return
+    state = compact_adam.CompactAdamState(unit.param, remainder, m_codes, m_absmax, v_codes, v_absmax)
+    k = compact_adam.kernel()
+    if k is None:
+        compact_adam.reference_step(state, grad, coeffs, adamw=True)
+    else:
+        k.step(state, grad, coeffs, True, torch.get_num_threads())
+
+
+def _exact_update(unit: CompactUnit, views: tuple, grad: torch.Tensor, found: torch.Tensor,
+                  step: torch.Tensor, group: dict) -> None:
+    """CompactAdamW's exact path (small parameters): torch's fused AdamW on the fp32 master
+    (weight plus remainder), split back; a skipped step leaves the master as it was, and
+    splitting it gives the same weight and remainder."""
+    remainder, exp_avg, exp_avg_sq = views
+    master = compact_adam.master_of(unit.param, remainder)
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_([master], [grad.float()], [exp_avg], [exp_avg_sq], [], [step],
+                        amsgrad=False, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+                        weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+                        maximize=bool(group.get("maximize", False)), grad_scale=None, found_inf=found)
+    if remainder is None:
+        unit.param.copy_(master)  # plain bf16 weight, rounded to nearest
+    else:
+        weight, rest = compact_adam.split_master(master)
+        unit.param.copy_(weight)
+        remainder.copy_(rest)
+
+
+def stage_in(unit: CompactUnit, views: tuple) -> None:
+    """Copies of the unit's host spans into its staging views (on the current stream)."""
+    for host, staged in zip(unit.host, views):
+        if host is not None:
+            staged.copy_(host, non_blocking=True)
+
+
+def stage_out(unit: CompactUnit, views: tuple) -> None:
+    for host, staged in zip(unit.host, views):
+        if host is not None:
+            host.copy_(staged, non_blocking=True)
+
+
+def views_in(unit: CompactUnit, ring, index: int, at: int, at_byte: int) -> tuple:
+    """The unit's staging views in the ring's pair ``index`` (kept: a training step places
+    each unit the same way every time)."""
+    if unit.generation != ring.generation:
+        unit.stage_views, unit.generation = {}, ring.generation
+    views = unit.stage_views.get((index, at, at_byte))
+    if views is None:
+        rem, raw = ring.buffers(POOL, index)
+        views = unit.stage_views[(index, at, at_byte)] = _stage_views(unit, rem, raw, at, at_byte)
+    return views
