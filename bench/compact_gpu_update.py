@@ -16,7 +16,7 @@ import torch
 
 from offload_plugin import compact_adam
 from offload_plugin.compact_adam import BLOCK, CompactAdamState
-from offload_plugin.compact_gpu import GpuMaps, step_
+from offload_plugin.compact_gpu import GpuMaps, step_, update_
 
 
 def _on(state: CompactAdamState, device) -> CompactAdamState:
@@ -50,6 +50,16 @@ def check(device, n: int) -> list[str]:
                 same = a.view(torch.uint8) == b.view(torch.uint8)
                 if not bool(same.all()):
                     problems.append(f"{f}: {int((~same).sum())} bytes differ at step {t} with {s}")
+    # A skipped step (the streamed update's verdict: an inf or NaN gradient) writes nothing.
+    state = _on(compact_adam._random_state(n, gen, True), device)
+    before = _on(state, "cpu")
+    coeffs = compact_adam._coefficients(1e-3, 0.9, 0.999, 0.01, 1e-8, 1, True, False, None, None)
+    update_(state.weight, state.remainder, torch.full((n,), float("nan")).to(torch.bfloat16).to(device),
+            state.exp_avg, state.exp_avg_absmax, state.exp_avg_sq, state.exp_avg_sq_absmax,
+            coeffs.to(device), torch.ones(1, device=device), maps)
+    for f in ("weight", "remainder", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax"):
+        if not torch.equal(getattr(state, f).cpu().view(torch.uint8), getattr(before, f).view(torch.uint8)):
+            problems.append(f"{f} changed in a skipped step")
     return problems
 
 

@@ -64,8 +64,9 @@ def _compact_adamw_kernel(weight, remainder, grad, m_code, m_absmax, v_code, v_a
     offs = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     # A step whose gradients hold an inf or NaN (skip != 0, decided on the device) writes
     # nothing: the state and the weight stay as they were, as torch's fused AdamW skips.
-    write = tl.load(skip) == 0
+    limit = tl.where(tl.load(skip) == 0, n, 0)
     inside = offs < n
+    stored = offs < limit  # (inside, unless skipped)
     # The coefficients, fp32, in compact_adam._coefficients' order.
     factor = tl.load(coeffs + 0)
     l2 = tl.load(coeffs + 1)
@@ -103,11 +104,11 @@ def _compact_adamw_kernel(weight, remainder, grad, m_code, m_absmax, v_code, v_a
     u = p.to(tl.uint32, bitcast=True)
     if MASTER:
         hi = (u + 0x8000) >> 16
-        tl.store(remainder + offs, (u - (hi << 16)).to(tl.int32, bitcast=True).to(tl.int16), mask=inside & write)
+        tl.store(remainder + offs, (u - (hi << 16)).to(tl.int32, bitcast=True).to(tl.int16), mask=stored)
     else:
         nan = (u & 0x7FFFFFFF) > 0x7F800000
         hi = tl.where(nan, 0xFFFF, _bf16_rne(u) >> 16)
-    tl.store(weight + offs, hi.to(tl.uint16).to(tl.int16, bitcast=True), mask=inside & write)
+    tl.store(weight + offs, hi.to(tl.uint16).to(tl.int16, bitcast=True), mask=stored)
 
     # The block's new absmax (0 for a block whose largest moment is 0 or subnormal), then
     # the codes, as the CPU kernel quantizes them.
@@ -116,12 +117,12 @@ def _compact_adamw_kernel(weight, remainder, grad, m_code, m_absmax, v_code, v_a
     min_normal = 1.17549435e-38
     m_zero = _below(m_max, min_normal)
     v_zero = _below(v_max, min_normal)
-    tl.store(m_absmax + block, tl.where(m_zero, 0.0, m_max), mask=write)
-    tl.store(v_absmax + block, tl.where(v_zero, 0.0, v_max), mask=write)
+    tl.store(m_absmax + block, tl.where(m_zero, 0.0, m_max), mask=block * BLOCK_SIZE < limit)
+    tl.store(v_absmax + block, tl.where(v_zero, 0.0, v_max), mask=block * BLOCK_SIZE < limit)
     m_inv = tl.where(m_zero, 0.0, tl.div_rn(1.0, tl.where(m_zero, 1.0, m_max)))
     v_inv = tl.where(v_zero, 0.0, tl.div_rn(1.0, tl.where(v_zero, 1.0, v_max)))
-    tl.store(m_code + offs, _quantize(m * m_inv, m_table, m_k0, m_nb, True), mask=inside & write)
-    tl.store(v_code + offs, _quantize(v * v_inv, v_table, v_k0, v_nb, False), mask=inside & write)
+    tl.store(m_code + offs, _quantize(m * m_inv, m_table, m_k0, m_nb, True), mask=stored)
+    tl.store(v_code + offs, _quantize(v * v_inv, v_table, v_k0, v_nb, False), mask=stored)
 
 
 @triton.jit

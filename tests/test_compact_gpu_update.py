@@ -26,7 +26,8 @@ def _run(*args, env=None):
 @TRITON
 def test_compact_update_in_tritons_interpreter_has_the_cpu_updates_bits():
     """Three settings (AdamW and Adam, masters or not, scaled, clipped, maximized), three
-    steps each, every byte of the state compared with compact_adam.step_'s."""
+    steps each, every byte of the state compared with compact_adam.step_'s; and a skipped
+    step (the streamed update's verdict on a NaN gradient) writes nothing."""
     proc = _run("--cpu", env={"TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "bits: the same as compact_adam's CPU update" in proc.stdout
