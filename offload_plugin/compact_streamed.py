@@ -129,19 +129,19 @@ class HostState:
         state = host_opt.state
         fresh = [(s, g) for s, g in zip(slots, host_groups) if not state.get(s.master)]
         if fresh:
-            total = 0
-            for slot, group in fresh:  # (sized on the meta device first, then made in one block)
+            sizes: dict = {}
+            for slot, group in fresh:  # (sized on the meta device first, then made in blocks)
                 made = host_opt.init_state(slot.master, group, empty=_on_meta)
-                total += sum(_aligned(_nbytes(t)) for k, t in made.items() if k != "step")
+                _count(sizes, (t for k, t in made.items() if k != "step"))
                 del state[slot.master]
-            carve = _Carver(self._block(total))
+            carve = _Carver(self._blocks(sizes))
             for slot, group in fresh:
                 self._remember(host_opt.init_state(slot.master, group, empty=carve.empty))
         moved = [s for s in slots if not all(self.is_homed(t) for k, t in state[s.master].items() if k != "step")]
         if moved:
-            total = sum(_aligned(_nbytes(t)) for s in moved
-                        for k, t in state[s.master].items() if k != "step")
-            carve = _Carver(self._block(total))
+            sizes = {}
+            _count(sizes, (t for s in moved for k, t in state[s.master].items() if k != "step"))
+            carve = _Carver(self._blocks(sizes))
             for slot in moved:
                 entry = state[slot.master]
                 for key, t in list(entry.items()):
@@ -150,13 +150,19 @@ class HostState:
                 self._remember(entry)
         return [state[s.master] for s in slots]
 
-    def _block(self, nbytes: int) -> torch.Tensor:
-        block = _huge_page_block(nbytes, torch.uint8)
-        if self.pin and nbytes and not _pin(block):
-            log.warning(
-                "Could not pin %.2f GiB of host memory for the compact state; using pageable "
-                "memory (slower copies). Check `ulimit -l` and free RAM.", nbytes / 2**30)
-        return block
+    def _blocks(self, sizes: dict) -> dict:
+        """A block per dtype of ``sizes`` elements, page-locked. (One per dtype, carved by
+        plain slices: a view that changes the dtype does not keep its block's tensor alive,
+        whose collection unpins the memory, see host_buffers._pin.)"""
+        blocks = {}
+        for dtype, numel in sizes.items():
+            block = blocks[dtype] = _huge_page_block(numel, dtype)
+            if self.pin and numel and not _pin(block):
+                log.warning(
+                    "Could not pin %.2f GiB of host memory for the compact state; using "
+                    "pageable memory (slower copies). Check `ulimit -l` and free RAM.",
+                    numel * block.element_size() / 2**30)
+        return blocks
 
     def _remember(self, entry: dict) -> None:
         if self.pin:
@@ -165,29 +171,31 @@ class HostState:
                     self._homed[id(t)] = t
 
 
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _BYTE_ALIGN) * _BYTE_ALIGN
+def _count(sizes: dict, tensors) -> None:
+    for t in tensors:
+        sizes[t.dtype] = sizes.get(t.dtype, 0) + _aligned(t.numel(), t.dtype)
+
+
+def _aligned(numel: int, dtype: torch.dtype) -> int:
+    """``numel`` rounded up to whole 64-byte lines of ``dtype``."""
+    per_line = _BYTE_ALIGN // dtype.itemsize
+    return -(-numel // per_line) * per_line
 
 
 def _on_meta(shape, dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class _Carver:
-    """An ``empty`` that cuts aligned views out of one byte block."""
+    """An ``empty`` that cuts aligned views out of one block per dtype."""
 
-    def __init__(self, block: torch.Tensor) -> None:
-        self.block, self.at = block, 0
+    def __init__(self, blocks: dict) -> None:
+        self.blocks, self.at = blocks, dict.fromkeys(blocks, 0)
 
     def empty(self, shape, dtype) -> torch.Tensor:
-        nbytes = math.prod(shape) * dtype.itemsize
-        view = self.block[self.at:self.at + nbytes].view(dtype).view(shape)
-        self.at += _aligned(nbytes)
-        return view
+        numel, at = math.prod(shape), self.at[dtype]
+        self.at[dtype] = at + _aligned(numel, dtype)
+        return self.blocks[dtype][at:at + numel].view(shape)
 
 
 # ---------------------------------------------------------------------------- units
