@@ -39,7 +39,8 @@ from offload_plugin import compact_adam
 from offload_plugin.compact_adam import BLOCK
 from offload_plugin.host_buffers import HostSlot, _huge_page_block, _pin
 
-__all__ = ["applies", "POOL", "CompactUnit", "plan_units", "run_unit", "Coefficients"]
+__all__ = ["applies", "POOL", "CompactUnit", "HostState", "Coefficients", "plan_units", "stage_layout",
+           "stage_need", "views_in", "stage_in", "update", "stage_out"]
 
 log = logging.getLogger(__name__)
 
