@@ -8,7 +8,10 @@ that it plugs into ``CPUOffloadOptimizer`` the way any other ``optimizer_cls`` d
 or in a torchtune config, ``optimizer.optimizer_cls=offload_plugin.CompactAdamW``. Per
 bf16 parameter the host keeps the bf16 weight, a 16-bit remainder that makes it an exact
 fp32 master, and block-wise 8-bit moments: about 8 bytes with the gradient, where exact
-AdamW with fp32 masters keeps 16 (``compact_adam`` has the scheme and the kernel). It is
+AdamW with fp32 masters keeps 16 (``compact_adam`` has the scheme and the kernel). On a GPU
+``CPUOffloadOptimizer`` streams this state through it instead, without host copies of the
+weights and gradients (4 bytes: ``compact_streamed``); this class then only holds the state
+and its checks, and the same kernel's bits come from ``compact_gpu``. It is
 not exact: the moments are quantized as in bitsandbytes' AdamW8bit, and the weight is the
 master rounded to nearest with ties away from zero.
 
