@@ -542,7 +542,7 @@ class StreamedUpdate:
                 if remainder is not None:
                     remainder.zero_()
                 self._versions[slot.order] = slot.param._version
-        groups = self._opt._host_optimizer.param_groups
+        groups = self._opt.param_groups  # (schedulers write ours; the host optimizer's lag)
         counts = self._host_counts
         return [None if unit.exact else self._coefficients.row(groups[unit.group], int(counts[unit.slot.order]) + 1)
                 for unit in plan.units]
@@ -673,7 +673,7 @@ def _run_compact_unit(unit, job: _Job, ring: StagingRing, found: torch.Tensor,
         grad = grad.view(-1)[unit.start:unit.end]
     else:
         grad = grad.view(-1)
-    group = job.owner._opt._host_optimizer.param_groups[unit.group]
+    group = job.owner._opt.param_groups[unit.group]  # (as the step found it: see _compact_rows)
     step = job.plan.steps[unit.at]
     if not ring.is_async:  # (tests on the CPU: the host state updated in place)
         compact_streamed.update(unit, unit.host, grad, coeffs, found, step, group)

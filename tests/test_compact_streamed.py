@@ -89,6 +89,24 @@ def test_streamed_compact_is_the_host_update_bit_for_bit(monkeypatch, min_8bit_s
     assert any(u.start > 0 for u in units), "the 64x96 weight goes in ranges"
 
 
+@pytest.mark.parametrize("via_optimizer", [False, True])
+def test_schedule_accumulation_scaling_and_clipping_as_the_host_update(monkeypatch, via_optimizer):
+    """torchtune's order (two micro-batches, scale by 1/tokens, clip, step, a warmup
+    schedule), scaling and clipping by torchtune's functions or by the optimizer's: the host
+    update's bits. (The schedule writes the lr into our param_groups; the first version
+    read the host optimizer's, which only the host update brings up to date.)"""
+    from reference_twin import train
+
+    runs = []
+    for streamed_on in (False, True):
+        model, opt = build(streamed_on, monkeypatch)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+        runs.append((model, opt, train(model, opt, 4, clip=0.05, sched=sched, via_optimizer=via_optimizer)))
+    (host_model, host, host_out), (model, opt, out) = runs
+    assert out == host_out
+    assert_same(model, opt, host_model, host)
+
+
 def test_resume_and_conversion(monkeypatch):
     """A resume from state_dict() continues bit for bit as the uninterrupted run, in a new
     optimizer, streamed or on the host; the state converts to torch's AdamW layout."""
