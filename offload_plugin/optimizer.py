@@ -897,8 +897,9 @@ class CPUOffloadOptimizer(Optimizer):
         the version counters that detection reads.
         """
         self._finish_pending()
-        if self._streamed is not None:
-            return  # (no host copies: the streamed update reads the parameters themselves)
+        if self._streamed is not None:  # (no host copies: it reads the parameters themselves)
+            self._streamed.weights_reloaded()
+            return
         for slot in self._slots:
             adopt_weight(slot)
         if self._device_share is not None:

@@ -352,6 +352,20 @@ class StreamedUpdate:
                 self.forget_state()
                 return
 
+    def weights_reloaded(self) -> None:
+        """CPUOffloadOptimizer.reload_weights(): weights may have been written where the
+        version counters do not see it (``param.data``). Compact state drops every remainder,
+        so that each master restarts from its weight; exact state keeps no master."""
+        if not self._compact:
+            return
+        self.settle()
+        state = self._opt._host_optimizer.state
+        for slot in self._opt._slots:
+            remainder = (state.get(slot.master) or {}).get("remainder")
+            if remainder is not None:
+                remainder.zero_()
+            self._versions[slot.order] = slot.param._version
+
     def forget_plans(self) -> None:
         """The groups' members changed (see CPUOffloadOptimizer._regroup): cut the units anew."""
         self._plans.clear()

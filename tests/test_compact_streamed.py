@@ -144,6 +144,23 @@ def test_weights_changed_outside_drop_the_remainder(monkeypatch):
     assert_same(model, opt, host_model, host)
 
 
+def test_weights_written_through_data_restart_the_masters_after_reload_weights(monkeypatch):
+    """``param.data`` writes escape the version counters; ``reload_weights()`` is the call
+    for them, and restarts every master from its weight, as the host update does for weights
+    that changed."""
+    runs = []
+    for streamed_on in (False, True):
+        model, opt = build(streamed_on, monkeypatch)
+        run(model, opt, 2)
+        fresh = make_model(seed=1)
+        for p, q in zip(model.parameters(), fresh.parameters()):
+            p.data.copy_(q)
+        opt.reload_weights()
+        run(model, opt, 2, start=2)
+        runs.append((model, opt))
+    assert_same(runs[1][0], runs[1][1], runs[0][0], runs[0][1])
+
+
 def test_page_locked_blocks_live_as_long_as_the_state(monkeypatch):
     """The state's blocks are page-locked once and stay so while the state uses them: each
     block's unpinning runs when its tensor is collected (host_buffers._pin), and a view that
