@@ -890,7 +890,8 @@ class CPUOffloadOptimizer(Optimizer):
     @torch.no_grad()
     def reload_weights(self) -> None:
         """Re-read every parameter into the host copies (the fp32 masters restart from the
-        weights unless a weight is exactly its master rounded).
+        weights unless a weight is exactly its master rounded). The streamed update keeps no
+        copies; with CompactAdamW every master restarts from its weight.
 
         Changes made in place or by ``load_state_dict`` are picked up by the next step
         without this; call it after writing through ``param.data``, which torch hides from
