@@ -240,7 +240,7 @@ class _Job:
     grads: list  # the plan's slots' gradients, in its order
     hyper: list  # per param group: the kernel and its arguments at step() time
     whole_step: bool  # False inside a backward: a parameter's verdict is its own
-    rows: list = dataclasses.field(default_factory=list)  # compact: each unit's coefficients
+    rows: list = dataclasses.field(default_factory=list)  # compact: each unit's coefficients (None: exact unit)
 
 
 @dataclasses.dataclass
@@ -663,18 +663,14 @@ def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
 
 
 def _compact_coefficients(jobs: list[_Job], ring: StagingRing) -> dict:
-    """The compact units' kernel scalars on the device, in one copy: row -> its tensor
-    (compact_streamed.Coefficients). Job.rows hold the rows themselves (tuples) until here,
-    where they are replaced by keys into the returned dict."""
-    rows: dict = {}
-    for job in jobs:
-        if job.plan.compact:
-            job.rows = [None if r is None else rows.setdefault(r, len(rows)) for r in job.rows]
+    """The compact units' kernel scalars on the device, in one copy: each distinct row of
+    the jobs (a tuple, compact_streamed.Coefficients) -> its tensor there."""
+    rows = list(dict.fromkeys(r for job in jobs if job.plan.compact for r in job.rows if r is not None))
     if not rows:
         return {}
-    host = torch.tensor(list(rows), dtype=torch.float32, pin_memory=ring.is_async)
+    host = torch.tensor(rows, dtype=torch.float32, pin_memory=ring.is_async)
     table = host.to(ring.device, non_blocking=True) if ring.is_async else host
-    return dict(enumerate(table.unbind()))
+    return dict(zip(rows, table.unbind()))
 
 
 def _run_compact_unit(unit, job: _Job, ring: StagingRing, found: torch.Tensor,
