@@ -417,6 +417,14 @@ def step_(state: CompactAdamState, grad: torch.Tensor, *, lr: float, beta1: floa
     state.step += 1
     coeffs = _coefficients(lr, beta1, beta2, weight_decay, eps, state.step, adamw, maximize,
                            grad_scale, clip_coef)
+    update_(state, grad, coeffs, adamw, num_threads, native)
+
+
+def update_(state: CompactAdamState, grad: torch.Tensor, coeffs: torch.Tensor, adamw: bool,
+            num_threads: Optional[int] = None, native: bool = True) -> None:
+    """The update with ``coeffs`` (_coefficients) already derived, ``state.step`` left as it
+    is: by the native kernel where it was built and verified here (and ``native``), else by
+    :func:`reference_step`, the same bits either way."""
     k = kernel() if native else None
     if k is None:
         reference_step(state, grad, coeffs, adamw)

@@ -38,7 +38,7 @@ from torch.optim import Optimizer
 
 from offload_plugin import compact_adam, host_update
 
-__all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict"]
+__all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "exact_update"]
 
 _CODES = ("exp_avg", "exp_avg_sq")
 _SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
@@ -229,23 +229,10 @@ class CompactAdamW(Optimizer):
         remainder = entry.get("remainder")
         if p._base is None and self._versions.get(id(p), p._version) != p._version and remainder is not None:
             remainder.zero_()  # the weight was replaced: it is the master now
-        master = compact_adam.master_of(p.view(-1), remainder)
         entry["step"] += 1  # (torch's AdamW counts before its fused kernel)
-        beta1, beta2 = group["betas"]
-        torch._fused_adamw_(
-            [master], [(p.grad if grad_scale is None else p.grad * grad_scale).reshape(-1).float()],
-            [entry["exp_avg"].view(-1)],
-            [entry["exp_avg_sq"].view(-1)], [], [entry["step"]], amsgrad=False,
-            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-            weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
-            grad_scale=None, found_inf=None,
-        )
-        if remainder is None:
-            p.view(-1).copy_(master)  # plain bf16 weight, rounded to nearest
-        else:
-            weight, rest = compact_adam.split_master(master)
-            p.view(-1).copy_(weight)
-            remainder.view(-1).copy_(rest)
+        grad = p.grad if grad_scale is None else p.grad * grad_scale
+        exact_update(p.view(-1), None if remainder is None else remainder.view(-1), grad.reshape(-1),
+                     entry["exp_avg"].view(-1), entry["exp_avg_sq"].view(-1), entry["step"], group)
 
     def _compact(self, p: torch.Tensor, group: dict) -> compact_adam.CompactAdamState:
         """``p``'s state entry as a CompactAdamState over the same tensors (no copies)."""
@@ -364,6 +351,30 @@ def _from_bnb_entry(where: str, entry: dict, param: torch.Tensor, group: dict) -
         ) from None
     return {k: v.view(param.shape) if v.numel() == param.numel() else v
             for k, v in state.state_dict().items()}
+
+
+def exact_update(weight: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor,
+                 exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: torch.Tensor, group: dict,
+                 found_inf: Optional[torch.Tensor] = None) -> None:
+    """The exact state's update (parameters under min_8bit_size): torch's fused AdamW on the
+    fp32 master (``weight`` plus ``remainder``, flat), split back into them in place; the
+    count ``step`` already advanced. A step skipped by ``found_inf`` leaves the master as it
+    was, and splitting it gives back the same weight and remainder. The streamed update
+    runs it on the GPU (compact_streamed)."""
+    master = compact_adam.master_of(weight, remainder)
+    beta1, beta2 = group["betas"]
+    torch._fused_adamw_(
+        [master], [grad.float()], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False,
+        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
+        weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
+        grad_scale=None, found_inf=found_inf,
+    )
+    if remainder is None:
+        weight.copy_(master)  # plain bf16 weight, rounded to nearest
+    else:
+        rounded, rest = compact_adam.split_master(master)
+        weight.copy_(rounded)
+        remainder.copy_(rest)
 
 
 def _check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:

@@ -37,6 +37,7 @@ import torch
 
 from offload_plugin import compact_adam
 from offload_plugin.compact_adam import BLOCK
+from offload_plugin.compact_optimizer import exact_update
 from offload_plugin.host_buffers import HostSlot, _huge_page_block, _pin
 
 __all__ = ["applies", "POOL", "CompactUnit", "HostState", "Coefficients", "plan_units", "stage_layout",
@@ -240,13 +241,13 @@ class Coefficients:
     def row(self, group: dict, step: int) -> tuple:
         beta1, beta2 = group["betas"]
         key = (float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]),
-               float(group["eps"]), bool(group.get("maximize", False)), step)
+               float(group["eps"]), step)
         row = self._rows.get(key)
         if row is None:
             if len(self._rows) > 4096:  # (a schedule changes lr every step)
                 self._rows.clear()
             row = self._rows[key] = tuple(compact_adam._coefficients(
-                key[0], key[1], key[2], key[3], key[4], step, True, key[5], None, None).tolist())
+                *key[:5], step, True, False, None, None).tolist())
         return row
 
 
@@ -269,7 +270,8 @@ def update(unit: CompactUnit, views: tuple, grad: torch.Tensor, coeffs: torch.Te
     tests), exact state by torch's fused AdamW on the fp32 master. Nothing is written when
     ``found`` (the step's verdict) is nonzero."""
     if unit.exact:
-        _exact_update(unit, views, grad, found, step, group)
+        remainder, exp_avg, exp_avg_sq = views
+        exact_update(unit.param, remainder, grad, exp_avg, exp_avg_sq, step, group, found_inf=found)
         return
     remainder, m_absmax, v_absmax, m_codes, v_codes = views
     if unit.param.device.type == "cuda":
@@ -277,34 +279,9 @@ def update(unit: CompactUnit, views: tuple, grad: torch.Tensor, coeffs: torch.Te
         compact_gpu.update_(unit.param, remainder, grad, m_codes, m_absmax, v_codes, v_absmax,
                             coeffs, found, _maps(unit.param.device))
         return
-    if float(found):
-        return
-    state = compact_adam.CompactAdamState(unit.param, remainder, m_codes, m_absmax, v_codes, v_absmax)
-    k = compact_adam.kernel()
-    if k is None:
-        compact_adam.reference_step(state, grad, coeffs, adamw=True)
-    else:
-        k.step(state, grad, coeffs, True, torch.get_num_threads())
-
-
-def _exact_update(unit: CompactUnit, views: tuple, grad: torch.Tensor, found: torch.Tensor,
-                  step: torch.Tensor, group: dict) -> None:
-    """CompactAdamW's exact path (small parameters): torch's fused AdamW on the fp32 master
-    (weight plus remainder), split back; a skipped step leaves the master as it was, and
-    splitting it gives the same weight and remainder."""
-    remainder, exp_avg, exp_avg_sq = views
-    master = compact_adam.master_of(unit.param, remainder)
-    beta1, beta2 = group["betas"]
-    torch._fused_adamw_([master], [grad.float()], [exp_avg], [exp_avg_sq], [], [step],
-                        amsgrad=False, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                        weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
-                        maximize=bool(group.get("maximize", False)), grad_scale=None, found_inf=found)
-    if remainder is None:
-        unit.param.copy_(master)  # plain bf16 weight, rounded to nearest
-    else:
-        weight, rest = compact_adam.split_master(master)
-        unit.param.copy_(weight)
-        remainder.copy_(rest)
+    if not float(found):
+        state = compact_adam.CompactAdamState(unit.param, remainder, m_codes, m_absmax, v_codes, v_absmax)
+        compact_adam.update_(state, grad, coeffs, adamw=True)
 
 
 def stage_in(unit: CompactUnit, views: tuple) -> None:

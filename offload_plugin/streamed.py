@@ -93,20 +93,19 @@ def eligible(opt, group: dict, params: list[torch.Tensor]) -> bool:
     if opt.offload_gradients or opt.master_weights or opt.delayed_update or opt._keep_ids:
         return False
     if getattr(opt.optimizer_cls, "streams_compact", False):  # CompactAdamW: compact_streamed
-        return compact_streamed.applies(opt.optimizer_cls, device, _ON_CPU) is None and all(
-            (type(p) is torch.nn.Parameter or type(p) is torch.Tensor) and p.is_contiguous()
-            and p.dtype == torch.bfloat16 for p in params)
-    if getattr(opt.optimizer_cls, "bf16_host_only", False):
+        if compact_streamed.applies(opt.optimizer_cls, device, _ON_CPU) is not None:
+            return False
+        dtypes = (torch.bfloat16,)
+    elif getattr(opt.optimizer_cls, "bf16_host_only", False) or not issubclass(opt.optimizer_cls, torch.optim.Adam):
         return False
-    if not issubclass(opt.optimizer_cls, torch.optim.Adam):
-        return False
-    settings = dict(opt.defaults, **{k: v for k, v in group.items() if k != "params"})
-    if (not settings.get("fused") or settings.get("amsgrad") or settings.get("capturable")
-            or settings.get("differentiable")):
-        return False
-    return all(type(p) is torch.nn.Parameter or type(p) is torch.Tensor for p in params) and all(
-        p.is_contiguous() and p.dtype in (torch.float32, torch.bfloat16, torch.float16)
-        for p in params)
+    else:
+        settings = dict(opt.defaults, **{k: v for k, v in group.items() if k != "params"})
+        if (not settings.get("fused") or settings.get("amsgrad") or settings.get("capturable")
+                or settings.get("differentiable")):
+            return False
+        dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    return all((type(p) is torch.nn.Parameter or type(p) is torch.Tensor) and p.is_contiguous()
+               and p.dtype in dtypes for p in params)
 
 
 class StagingRing:
@@ -356,15 +355,8 @@ class StreamedUpdate:
         """CPUOffloadOptimizer.reload_weights(): weights may have been written where the
         version counters do not see it (``param.data``). Compact state drops every remainder,
         so that each master restarts from its weight; exact state keeps no master."""
-        if not self._compact:
-            return
-        self.settle()
-        state = self._opt._host_optimizer.state
-        for slot in self._opt._slots:
-            remainder = (state.get(slot.master) or {}).get("remainder")
-            if remainder is not None:
-                remainder.zero_()
-            self._versions[slot.order] = slot.param._version
+        if self._compact:
+            self._drop_remainders(self._opt._slots)
 
     def forget_plans(self) -> None:
         """The groups' members changed (see CPUOffloadOptimizer._regroup): cut the units anew."""
@@ -549,17 +541,25 @@ class StreamedUpdate:
         weight is the master now (the parameter is the truth)."""
         changed = [s for s in plan.slots if self._versions.get(s.order, s.param._version) != s.param._version]
         if changed:
-            self.settle()  # (no copy into the host state in flight)
-            state = self._opt._host_optimizer.state
-            for slot in changed:
-                remainder = state[slot.master].get("remainder")
-                if remainder is not None:
-                    remainder.zero_()
-                self._versions[slot.order] = slot.param._version
+            self._drop_remainders(changed)
         groups = self._opt.param_groups  # (schedulers write ours; the host optimizer's lag)
-        counts = self._host_counts
-        return [None if unit.exact else self._coefficients.row(groups[unit.group], int(counts[unit.slot.order]) + 1)
-                for unit in plan.units]
+        counts, made, rows = self._host_counts, {}, []
+        for unit in plan.units:  # (a row per group and count: the units of a step share them)
+            if unit.exact:
+                rows.append(None)
+                continue
+            key = (unit.group, int(counts[unit.slot.order]) + 1)
+            if key not in made:
+                made[key] = self._coefficients.row(groups[key[0]], key[1])
+            rows.append(made[key])
+        return rows
+
+    def _drop_remainders(self, slots: list[HostSlot]) -> None:
+        """The weights of ``slots`` are new: each master restarts from its weight."""
+        self.settle()  # (no copy into the host state in flight)
+        for slot in slots:
+            self._opt._host_optimizer.weight_replaced(slot.master)
+            self._versions[slot.order] = slot.param._version
 
     # ------------------------------------------------------------------ bookkeeping
     def _steps_of(self, slots: list[HostSlot]) -> list[torch.Tensor]:
@@ -678,11 +678,7 @@ def _run_compact_unit(unit, job: _Job, ring: StagingRing, found: torch.Tensor,
     """Queue one compact unit (compact_streamed): its state in, the kernel, its state out.
     Units share a staging pair while they fit (as _run_unit's)."""
     pool = compact_streamed.POOL
-    grad = job.grads[unit.at]
-    if unit.start != 0 or unit.end != grad.numel():
-        grad = grad.view(-1)[unit.start:unit.end]
-    else:
-        grad = grad.view(-1)
+    grad = job.grads[unit.at].view(-1)[unit.start:unit.end]
     group = job.owner._opt.param_groups[unit.group]  # (as the step found it: see _compact_rows)
     step = job.plan.steps[unit.at]
     if not ring.is_async:  # (tests on the CPU: the host state updated in place)
