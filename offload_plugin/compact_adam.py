@@ -135,7 +135,7 @@ def _midpoints(values: torch.Tensor) -> torch.Tensor:
 class _MapArgs(ctypes.Structure):
     """adam_compact.cpp's Map: pointers to the tensors of a _Map."""
     _fields_ = [("values", ctypes.c_void_p), ("table", ctypes.c_void_p), ("k0", ctypes.c_int32),
-                ("nb", ctypes.c_int32)]
+                ("nb", ctypes.c_int32), ("carry_table", ctypes.c_void_p)]
 
 
 @dataclass(frozen=True)
@@ -147,8 +147,17 @@ class _Map:
     nb: int
     signed: bool
 
+    @functools.cached_property
+    def carry_table(self) -> torch.Tensor:
+        """table with 0xffff - mid in place of mid in the positive buckets: the AVX-512
+        quantizer's form, where the midpoint's test is one add (adam_compact.cpp,
+        quantize16)."""
+        return self.table ^ torch.cat([torch.full((self.nb,), 0xFFFF, dtype=torch.int32),
+                                       torch.zeros(len(self.table) - self.nb, dtype=torch.int32)])
+
     def args(self) -> _MapArgs:
-        return _MapArgs(self.values.data_ptr(), self.table.data_ptr(), self.k0, self.nb)
+        return _MapArgs(self.values.data_ptr(), self.table.data_ptr(), self.k0, self.nb,
+                        self.carry_table.data_ptr())
 
 
 def _hi16(x: torch.Tensor) -> torch.Tensor:

@@ -218,6 +218,7 @@ def _grad(n, gen, scale=1e-2):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_step_is_bitwise_the_reference(numel, setting, threads):
+    _kernel()  # built and verified: else step_ falls back to the reference itself
     a, gen = _evolving_state(numel, numel, master_weights=True)
     b = _clone(a)
     kw = dict(lr=1e-3, **SETTINGS[setting])
@@ -232,6 +233,7 @@ def test_native_step_is_bitwise_the_reference(numel, setting, threads):
 @needs_kernel
 @pytest.mark.parametrize("numel", [5, 256 * 9 + 31])
 def test_native_step_without_master_is_bitwise_the_reference(numel):
+    _kernel()  # built and verified: else step_ falls back to the reference itself
     a, gen = _evolving_state(numel, 3, master_weights=False)
     b = _clone(a)
     for _ in range(3):
@@ -239,6 +241,37 @@ def test_native_step_without_master_is_bitwise_the_reference(numel):
         ca.step_(a, g, lr=1e-2, weight_decay=0.01, num_threads=2)
         ca.step_(b, g, lr=1e-2, weight_decay=0.01, native=False)
         _assert_same_state(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("master_weights", [True, False])
+def test_native_step_with_special_values_is_bitwise_the_reference(master_weights):
+    """Whole blocks (the AVX-512 path where built) and a partial one, with inf, NaN, zeros
+    of both signs, subnormals and the largest finite values among the masters (split as
+    the optimizer splits them), zeros, subnormals and large values among the gradients:
+    the same bits as the reference. (Non-finite gradients never reach the kernel: the
+    optimizer skips such a step. With them the two may code a NaN moment differently.)"""
+    _kernel()  # built and verified: else step_ falls back to the reference itself
+    n = 256 * 8 + 77
+    a, gen = _evolving_state(n, 11, master_weights)
+    special = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e-40, -1e-40,
+                            3.4e38, -3.4e38, 3.3e38, 1e-3, -1e-3])
+    master = ca.master_of(a.weight, a.remainder)
+    at = torch.randint(0, n, (n // 8,), generator=gen)
+    master[at] = special[torch.randint(0, len(special), (len(at),), generator=gen)]
+    if master_weights:
+        w, r = ca.split_master(master)
+        a.weight.copy_(w)
+        a.remainder.copy_(r)
+    else:
+        a.weight.copy_(master)
+    b = _clone(a)
+    for k in range(3):
+        g = _grad(n, gen)
+        g[torch.randint(0, n, (n // 16,), generator=gen)] = torch.tensor([0.0, -0.0, 1e-40, -1e18], dtype=torch.bfloat16)[k]
+        ca.step_(a, g, lr=1e-2, weight_decay=0.01, num_threads=2, native=True)
+        ca.step_(b, g, lr=1e-2, weight_decay=0.01, native=False)
+        _assert_same_state(a, b, f"step {k + 1}")
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -257,6 +290,7 @@ def test_grad_scale_is_the_gradient_scaled_beforehand(native):
 
 @needs_kernel
 def test_results_do_not_depend_on_the_thread_count():
+    _kernel()  # built and verified: else step_ falls back to the reference itself
     n = 256 * 1000 + 5  # several pieces per thread
     a, gen = _evolving_state(n, 7, True)
     b = _clone(a)
