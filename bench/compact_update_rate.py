@@ -1,6 +1,7 @@
 """Host update rate of the compact AdamW state against the exact one and bitsandbytes'.
 
-On one parameter of --numel elements, at the same thread count, times:
+On one parameter of --numel elements, at the same thread count, times in alternating rounds
+(so that a host whose speed drifts slows each alike):
 
 * the exact one-pass update (offload_plugin.native_adam: bf16 gradient, fp32 master and
   moments, bf16 weight out): 28 bytes per parameter (2 grad + 3 x 8 read and written
@@ -22,6 +23,8 @@ stream plus one read stream, as the updates are).
 """
 
 import argparse
+import statistics
+import time
 
 import torch
 
@@ -34,7 +37,8 @@ def _grad(n):
     return (torch.randn(n) * 1e-3).to(torch.bfloat16)
 
 
-def exact_update(n, threads, repeats):
+def exact_step(n, threads):
+    """One exact update of n elements, as a function (None without the native kernel)."""
     k = native_adam.kernel()
     if k is None or torch.float32 not in k.dtypes:
         return None
@@ -48,16 +52,33 @@ def exact_update(n, threads, repeats):
                eps=1e-8, step=float(count[0]), adamw=True, maximize=False, grad_scale=None,
                num_threads=threads)
 
-    return _in_thread(lambda: _timed(step, repeats), threads)
+    return step
 
 
-def compact_update(n, threads, repeats, master_weights, native=True):
+def compact_step(n, threads, master_weights, native=True):
     state = compact_adam.CompactAdamState.zeros((torch.randn(n) * 0.02).to(torch.bfloat16),
                                                 master_weights=master_weights)
     grad = _grad(n)
-    step = lambda: compact_adam.step_(state, grad, lr=1e-4, weight_decay=0.01,
+    return lambda: compact_adam.step_(state, grad, lr=1e-4, weight_decay=0.01,
                                       num_threads=threads, native=native)
-    return _in_thread(lambda: _timed(step, repeats), threads)
+
+
+def alternating_rounds(steps, threads, repeats, rounds):
+    """Seconds per call of each step function, timed in turn within each round (the order
+    reversed every other round), so that a host whose speed drifts slows all alike:
+    {name: [seconds per call, one per round]}."""
+    def run():
+        for step in steps.values():
+            step()  # first touch of the state pages
+        times = {name: [] for name in steps}
+        for r in range(rounds):
+            for name in (list(steps) if r % 2 == 0 else list(steps)[::-1]):
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    steps[name]()
+                times[name].append((time.perf_counter() - t0) / repeats)
+        return times
+    return _in_thread(run, threads)
 
 
 def bnb_update(n, threads, repeats):
@@ -86,7 +107,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--numel", type=int, default=1 << 26)
     p.add_argument("--bnb-numel", type=int, default=1 << 22)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="calls per timing")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds of the three updates")
     p.add_argument("--threads", type=int, nargs="*",
                    help="thread counts (default: all cores, and all but one)")
     p.add_argument("--reference", action="store_true",
@@ -98,28 +120,41 @@ def main() -> None:
     print(f"numel {n}, bnb numel {args.bnb_numel}, {cores} cores; compact kernel "
           f"{'native' if kc else 'unavailable: ' + str(compact_adam._state.get('reason'))}", flush=True)
     for threads in thread_counts:
-        print(f"== {threads} threads", flush=True)
-        base = exact_update(n, threads, args.repeats)
-        rows = [("exact one pass (fp32 master)", base, 28, n)]
-        rows.append(("compact (bf16 + remainder, 8-bit moments)",
-                     compact_update(n, threads, args.repeats, True), 14, n))
-        rows.append(("compact, no master (bf16, 8-bit moments)",
-                     compact_update(n, threads, args.repeats, False), 10, n))
+        print(f"== {threads} threads, {args.rounds} alternating rounds of {args.repeats} calls "
+              "(median seconds per call; ratios: median of the rounds' ratios)", flush=True)
+        steps = {"exact": exact_step(n, threads),
+                 "compact": compact_step(n, threads, True),
+                 "compact, no master": compact_step(n, threads, False)}
+        steps = {name: step for name, step in steps.items() if step is not None}
+        times = alternating_rounds(steps, threads, args.repeats, args.rounds)
+        rows = [("exact one pass (fp32 master)", "exact", 28, n),
+                ("compact (bf16 + remainder, 8-bit moments)", "compact", 14, n),
+                ("compact, no master (bf16, 8-bit moments)", "compact, no master", 10, n)]
+        for label, name, nbytes, numel in rows:
+            if name not in times:
+                print(f"{label:46s}   unavailable", flush=True)
+                continue
+            rate = numel / statistics.median(times[name])
+            vs_exact = ""
+            if "exact" in times:
+                ratios = sorted(e / c for e, c in zip(times["exact"], times[name]))
+                vs_exact = (f"{statistics.median(ratios):5.2f}x exact (rounds {ratios[0]:.2f}-"
+                            f"{ratios[-1]:.2f})")
+            print(f"{label:46s} {rate / 1e9:7.3f} G params/s {rate * nbytes / 1e9:7.1f} GB/s "
+                  f"{vs_exact}", flush=True)
+        compact_rate = n / statistics.median(times["compact"])
         if args.reference:
             m = min(n, 1 << 22)
-            rows.append(("compact torch reference", compact_update(m, threads, 1, True, native=False), 14, m))
+            s_ref = _in_thread(lambda: _timed(compact_step(m, threads, True, native=False), 1), threads)
+            print(f"{'compact torch reference':46s} {m / s_ref / 1e9:7.3f} G params/s", flush=True)
         bnb_n = min(n, args.bnb_numel)
-        rows.append(("bitsandbytes AdamW8bit (CPU backend)", bnb_update(bnb_n, threads, 1), 10, bnb_n))
-        compact_rate = n / rows[1][1]
-        for name, seconds, nbytes, numel in rows:
-            if seconds is None:
-                print(f"{name:46s}   unavailable", flush=True)
-                continue
-            rate = numel / seconds
-            vs_exact = f"{rate / (n / base):5.2f}x exact" if base else ""
-            vs_compact = f"compact is {compact_rate / rate:6.1f}x" if "bitsandbytes" in name else ""
-            print(f"{name:46s} {rate / 1e9:7.3f} G params/s {rate * nbytes / 1e9:7.1f} GB/s "
-                  f"{vs_exact} {vs_compact}", flush=True)
+        bnb = bnb_update(bnb_n, threads, 1)
+        if bnb is None:
+            print(f"{'bitsandbytes AdamW8bit (CPU backend)':46s}   unavailable", flush=True)
+        else:
+            rate = bnb_n / bnb
+            print(f"{'bitsandbytes AdamW8bit (CPU backend)':46s} {rate / 1e9:7.3f} G params/s "
+                  f"{rate * 10 / 1e9:7.1f} GB/s  compact is {compact_rate / rate:6.1f}x", flush=True)
         copy, add = bandwidth(min(n, 1 << 27), threads, args.repeats)
         add_txt = f", bf16 add (native_adam.add_) {add:.1f} GB/s" if add else ""
         print(f"memory bandwidth: fp32 copy {copy:.1f} GB/s{add_txt}", flush=True)

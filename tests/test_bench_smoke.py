@@ -3,6 +3,7 @@ host_update_rate.py and report.py, as the README names them."""
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -130,6 +131,21 @@ def test_host_update_rate_and_report_run(tmp_path):
 
 
 FSDP2_OPTIMIZERS = ["fsdp_gpu_adamw", "offload_grads_nomaster", "offload_grads", "fsdp_cpu_offload_policy"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="no C++ compiler: no native kernels to time")
+def test_compact_update_rate_runs_alternating_rounds():
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "compact_update_rate.py"), "--numel", str(1 << 16),
+         "--bnb-numel", str(1 << 12), "--threads", "1", "--rounds", "2", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = {line.split("  ")[0]: line for line in done.stdout.splitlines()}
+    assert "1.00x exact" in lines["exact one pass (fp32 master)"]
+    for label in ("compact (bf16 + remainder, 8-bit moments)", "compact, no master (bf16, 8-bit moments)"):
+        assert "G params/s" in lines[label] and "x exact (rounds" in lines[label]
+    assert "memory bandwidth" in done.stdout
 
 
 def test_bench_fsdp2_tiny_cpu_smoke(tmp_path):

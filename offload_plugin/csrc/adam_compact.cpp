@@ -307,13 +307,11 @@ inline void update_block(uint16_t* __restrict weight, int16_t* __restrict remain
     const __m512i w32 = _mm512_loadu_si512(weight + j), g32 = _mm512_loadu_si512(grad + j);
     __m512i p_bits[2];
     if (kMaster) {
-      // (w << 16) | r as unsigned 16 bits; master_of adds r sign-extended: 0x10000 less.
+      // master_of: (w << 16) + r sign-extended, which is (w - 1) << 16 | r where r < 0.
       const __m512i r32 = _mm512_loadu_si512(remainder + j);
-      p_bits[0] = _mm512_unpacklo_epi16(r32, w32);
-      p_bits[1] = _mm512_unpackhi_epi16(r32, w32);
-      for (__m512i& x : p_bits)
-        x = _mm512_mask_sub_epi32(x, _mm512_test_epi32_mask(x, _mm512_set1_epi32(0x8000)), x,
-                                  _mm512_set1_epi32(0x10000));
+      const __m512i hi = _mm512_add_epi16(w32, _mm512_srai_epi16(r32, 15));
+      p_bits[0] = _mm512_unpacklo_epi16(r32, hi);
+      p_bits[1] = _mm512_unpackhi_epi16(r32, hi);
     } else {
       p_bits[0] = _mm512_unpacklo_epi16(zero, w32);
       p_bits[1] = _mm512_unpackhi_epi16(zero, w32);
