@@ -7,9 +7,10 @@
 //   grad       bf16   read only
 //
 // Per element this reads 8 bytes and writes 6 (the fp32-master update moves 28-30), so
-// where memory bandwidth bounds both it could run at up to twice that update's rate. It
-// does not on the Xeons measured: decoding and quantizing cost about as much as the memory
-// traffic saved (bench/compact_update_rate.py; the .py's notes say where the time goes).
+// where memory bandwidth bounds both it could run at up to twice that update's rate. On
+// the 16-core Xeon host measured it runs about 1.5x, bound not by memory but by the table
+// lookups of decoding and quantizing, four gathers per 16 elements (bench/
+// compact_update_rate.py; docs/performance.md#compact says where the time goes).
 //
 // Block-wise 8-bit moments follow Dettmers et al., "8-bit Optimizers via Block-wise
 // Quantization" (2022): each block of 256 values is divided by its absolute maximum and
