@@ -81,6 +81,15 @@ def alternating_rounds(steps, threads, repeats, rounds):
     return _in_thread(run, threads)
 
 
+def _print_row(label, rate, nbytes=None, note=""):
+    """One line of the table: G params/s (and GB/s at nbytes per parameter), or unavailable."""
+    if rate is None:
+        print(f"{label:46s}   unavailable", flush=True)
+        return
+    gbs = f" {rate * nbytes / 1e9:7.1f} GB/s" if nbytes else ""
+    print(f"{label:46s} {rate / 1e9:7.3f} G params/s{gbs} {note}", flush=True)
+
+
 def bnb_update(n, threads, repeats):
     try:
         import bitsandbytes as bnb
@@ -132,29 +141,23 @@ def main() -> None:
                 ("compact, no master (bf16, 8-bit moments)", "compact, no master", 10, n)]
         for label, name, nbytes, numel in rows:
             if name not in times:
-                print(f"{label:46s}   unavailable", flush=True)
+                _print_row(label, None)
                 continue
-            rate = numel / statistics.median(times[name])
-            vs_exact = ""
+            note = ""
             if "exact" in times:
                 ratios = sorted(e / c for e, c in zip(times["exact"], times[name]))
-                vs_exact = (f"{statistics.median(ratios):5.2f}x exact (rounds {ratios[0]:.2f}-"
-                            f"{ratios[-1]:.2f})")
-            print(f"{label:46s} {rate / 1e9:7.3f} G params/s {rate * nbytes / 1e9:7.1f} GB/s "
-                  f"{vs_exact}", flush=True)
+                note = f"{statistics.median(ratios):5.2f}x exact (rounds {ratios[0]:.2f}-{ratios[-1]:.2f})"
+            _print_row(label, numel / statistics.median(times[name]), nbytes, note)
         compact_rate = n / statistics.median(times["compact"])
         if args.reference:
             m = min(n, 1 << 22)
             s_ref = _in_thread(lambda: _timed(compact_step(m, threads, True, native=False), 1), threads)
-            print(f"{'compact torch reference':46s} {m / s_ref / 1e9:7.3f} G params/s", flush=True)
+            _print_row("compact torch reference", m / s_ref, 14)
         bnb_n = min(n, args.bnb_numel)
         bnb = bnb_update(bnb_n, threads, 1)
-        if bnb is None:
-            print(f"{'bitsandbytes AdamW8bit (CPU backend)':46s}   unavailable", flush=True)
-        else:
-            rate = bnb_n / bnb
-            print(f"{'bitsandbytes AdamW8bit (CPU backend)':46s} {rate / 1e9:7.3f} G params/s "
-                  f"{rate * 10 / 1e9:7.1f} GB/s  compact is {compact_rate / rate:6.1f}x", flush=True)
+        bnb_rate = None if bnb is None else bnb_n / bnb
+        _print_row("bitsandbytes AdamW8bit (CPU backend)", bnb_rate, 10,
+                   f" compact is {compact_rate / bnb_rate:6.1f}x" if bnb_rate else "")
         copy, add = bandwidth(min(n, 1 << 27), threads, args.repeats)
         add_txt = f", bf16 add (native_adam.add_) {add:.1f} GB/s" if add else ""
         print(f"memory bandwidth: fp32 copy {copy:.1f} GB/s{add_txt}", flush=True)

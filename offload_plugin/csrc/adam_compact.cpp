@@ -217,7 +217,8 @@ inline void update_block(uint16_t* __restrict weight, int16_t* __restrict remain
 //   add: the midpoint's test carries into the code's bits (see quantize16).
 namespace avx512 {
 
-// Dword i of a/b is element kOrderA/kOrderB[i] of 32 (as _mm512_set_epi32 lists: last first).
+// Dword i of a (b) holds element order_a()[i] (order_b()[i]) of the 32; _mm512_set_epi32
+// lists the last dword first.
 inline __m512i order_a() { return _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0); }
 inline __m512i order_b() { return _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4); }
 
