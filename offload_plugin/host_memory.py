@@ -109,6 +109,14 @@ def settle(owner: object) -> None:
         _promised.pop(owner, None)
 
 
+def _size(nbytes: float) -> str:
+    """A byte count for a message: GiB, or MiB / KiB where GiB would read 0.0."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if nbytes >= 0.1 * scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} bytes"
+
+
 def check(needed: int, num_params: int, master_weights: bool) -> None:
     """Raise HostMemoryError if ``needed`` bytes, and what optimizers of this process
     promised to allocate at their first step (see promise), exceed what the process may use."""
@@ -119,7 +127,7 @@ def check(needed: int, num_params: int, master_weights: bool) -> None:
     if free is None or needed + sum(promised) <= free:
         return
     if promised:
-        source += (f", less {sum(promised) / GIB:.1f} GiB that {len(promised)} optimizer(s) of this process "
+        source += (f", less {_size(sum(promised))} that {len(promised)} optimizer(s) of this process "
                    "(torchtune's optimizer_in_bwd builds one per parameter) allocate at their first step")
         free = max(free - sum(promised), 0)
     options = [
@@ -130,9 +138,9 @@ def check(needed: int, num_params: int, master_weights: bool) -> None:
         options.insert(0, "master_weights=False (bf16/fp16 parameters then keep their "
                           "optimizer state in their own dtype: about half the memory)")
     raise HostMemoryError(
-        f"CPUOffloadOptimizer needs about {needed / GIB:.1f} GiB of host memory for "
+        f"CPUOffloadOptimizer needs about {_size(needed)} of host memory for "
         f"{num_params:,} trainable elements (buffers plus optimizer state), but this process "
-        f"may use only {free / GIB:.1f} GiB more ({source}). Options: "
+        f"may use only {_size(free)} more ({source}). Options: "
         + "; ".join(options)
         + ". If that figure is wrong (some VMs report memory late), pass "
         "check_host_memory=False."

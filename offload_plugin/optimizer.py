@@ -19,6 +19,7 @@ job each:
 from __future__ import annotations
 
 import logging
+import warnings
 import weakref
 from collections.abc import MutableMapping
 from functools import partial
@@ -46,6 +47,14 @@ __all__ = ["CPUOffloadOptimizer"]
 
 log = logging.getLogger(__name__)
 _ONE_TENSOR_NOTED = False  # (see CPUOffloadOptimizer._log_summary)
+# id(parameter) -> (weak parameter, weak optimizer): the optimizer that updates it (see _claim).
+_OWNERS: dict[int, tuple] = {}
+
+
+def _forget_owner(key: int, ref: weakref.ref) -> None:
+    """A claimed parameter was freed: its id may be reused by another tensor."""
+    if _OWNERS.get(key, (None,))[0] is ref:
+        del _OWNERS[key]
 
 
 class _GradHook:
@@ -295,6 +304,10 @@ class CPUOffloadOptimizer(Optimizer):
         self._membership: list = []  # ids of each group's parameters, as the host groups have them
         self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0,
                         "on_device": 0, "on_device_numel": 0}
+        # Parameters dropped as frozen, until one of them is found with a gradient (warned
+        # once, see _warn_unfrozen), and ids of ours a newer optimizer took over (_claim).
+        self._frozen: list[weakref.ref] = []
+        self._taken_over: set[int] = set()
 
         super().__init__(params, defaults)  # calls add_param_group for each group
         self.state = _StateByParam(self)
@@ -370,6 +383,7 @@ class CPUOffloadOptimizer(Optimizer):
             if isinstance(t, torch.Tensor) and not k:
                 self._counts["frozen"] += 1
                 self._counts["frozen_numel"] += local_part(t).numel()  # this rank's, as kept
+                self._frozen.append(weakref.ref(t))
         kept_entries = [e for e, k in zip(entries, keep) if k]
         kept = [t for t, k in zip(tensors, keep) if k]
         # Non-tensors are kept so that torch reports them with its own message.
@@ -453,10 +467,52 @@ class CPUOffloadOptimizer(Optimizer):
         if self.offload_gradients:
             for slot in slots:
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(_GradHook(self)))
+        self._claim(all_params)
         self._counts["kept"] += len(all_params)
         self._counts["kept_numel"] += sum(p.numel() for p in shards) + sum(p.numel() for p in on_device)
         self._counts["on_device"] += len(on_device)
         self._counts["on_device_numel"] += sum(p.numel() for p in on_device)
+
+    def _claim(self, params: list) -> None:
+        """This optimizer updates ``params`` from now on. An older CPUOffloadOptimizer over
+        one of them (still alive: rebuilt over the same model before the old one was dropped,
+        or two built on purpose) leaves it alone and refuses its next step: each keeps its
+        own copy of the weight and writes it back whole, so two would undo each other's
+        updates where torch's optimizers apply both."""
+        for p in params:
+            held = _OWNERS.get(id(p))
+            older = held[1]() if held is not None and held[0]() is p else None
+            if older is not None and older is not self and older._holds(p):
+                older._taken_over.add(id(p))
+            ref = weakref.ref(p, partial(_forget_owner, id(p)))
+            _OWNERS[id(p)] = (ref, weakref.ref(self))
+
+    def _holds(self, p: torch.Tensor) -> bool:
+        return self._slots.get(p) is not None or (self._device_share is not None and p in self._device_share)
+
+    def _check_not_taken_over(self) -> None:
+        if self._taken_over:
+            raise ValueError(
+                f"CPUOffloadOptimizer: a newer CPUOffloadOptimizer was built over "
+                f"{len(self._taken_over)} of this optimizer's parameters and updates them now; "
+                "this one no longer does (each keeps its own host copy of a weight and writes "
+                "it back whole, so two optimizers over one parameter would undo each other's "
+                "updates). Step the newer optimizer, or build one optimizer over all the "
+                "parameter groups (add_param_group). Nothing was updated."
+            )
+
+    def _warn_unfrozen(self) -> None:
+        """A parameter dropped as frozen (requires_grad=False when this optimizer was built)
+        that has a gradient now is not updated, where torch's optimizers would update it:
+        say so once."""
+        unfrozen = sum(1 for ref in self._frozen if (t := ref()) is not None and t.grad is not None)
+        if unfrozen:
+            self._frozen = []  # (once)
+            warnings.warn(
+                f"CPUOffloadOptimizer: {unfrozen} parameter(s) that had requires_grad=False when "
+                "it was built (left out as frozen, as QLoRA's base weights) have gradients now; "
+                "it does not update them. Add them with optimizer.add_param_group({'params': "
+                "[...]}), or set requires_grad before building the optimizer.", stacklevel=3)
 
     def _stop_streaming(self) -> None:
         """A group the streamed update cannot take: the host update takes over for all, from
@@ -561,6 +617,8 @@ class CPUOffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------ gradients
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """Backward hook (offload_gradients=True)."""
+        if self._taken_over and id(param) in self._taken_over:
+            return  # (a newer optimizer takes this gradient; this one's step() refuses)
         early_forward.on_backward(self, param)
         overlap = self._overlap
         if overlap is not None:
@@ -788,6 +846,7 @@ class CPUOffloadOptimizer(Optimizer):
                 bring the gradients to the host early; ``early_forward`` with
                 ``delayed_update`` or sharded parameters.
         """
+        self._check_not_taken_over()
         if not self.offload_gradients:
             raise ValueError(
                 "overlap_next_step() needs CPUOffloadOptimizer(offload_gradients=True)."
@@ -849,11 +908,14 @@ class CPUOffloadOptimizer(Optimizer):
                 "Use offload_gradients=False with GradScaler, or train in bf16 without a "
                 "scaler (as torchtune does). Nothing was updated."
             )
+        self._check_not_taken_over()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._check_params_known()
+        if self._frozen:
+            self._warn_unfrozen()
         schedules.run_step(self)
         # Its state exists now, or will in a moment (an update that returned early); a
         # parameter without a gradient makes none, which a later preflight then misses.
