@@ -69,6 +69,11 @@ _STATE_KEYS = {
     torch.optim.SGD: lambda g: (set(), {"momentum_buffer"}),
 }
 _SCALAR_KEYS = {"step", "mu_product", "eta", "mu"}
+# Entry keys that tell another optimizer's layout, and where that loads.
+_BNB = "It is bitsandbytes' 8-bit state: it loads into optimizer_cls=offload_plugin.CompactAdamW."
+_COMPACT = ("It is CompactAdamW's: load it with optimizer_cls=offload_plugin.CompactAdamW, or convert "
+            "it with offload_plugin.compact_optimizer.to_adamw_state_dict.")
+_WHOSE = {"__bnb_optimizer_quant_state__": _BNB, "state1": _BNB, "remainder": _COMPACT, "exp_avg_absmax": _COMPACT}
 # Second moments (square roots and divisions are taken of them) and step counts.
 _NONNEGATIVE = {"step", "exp_avg_sq", "max_exp_avg_sq", "sum", "square_avg", "acc_delta", "exp_inf"}
 
@@ -102,9 +107,8 @@ def prepare_load(opt, state_dict: Any, torchao_minimal_size: int, allow_nonfinit
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
         raise ValueError(f"{prefix}: {type(err).__name__}: {err}") from None
     for saved, group in zip(state_dict["param_groups"], opt.param_groups):
-        for key, value in group.items():  # a group torchao held no tensor of
-            if key != "params":
-                saved.setdefault(key, value)
+        if not saved["params"]:  # a group torchao held no tensor of: its settings are ours
+            saved.update({k: v for k, v in group.items() if k != "params"})
     try:
         return validate(opt, state_dict, allow_nonfinite)
     except ValueError as err:
@@ -213,8 +217,14 @@ def _check_group(opt, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple[di
             f"lacks {sorted(missing)}, which {cls.__name__} needs (it "
             f"has {sorted(k for k in saved if k != 'params')}). Load it into the class "
             "that wrote it, or start this optimizer fresh."
+            + (f" {_COMPACT}" if "min_8bit_size" in saved else "")
         )
     hyper = {k: v for k, v in saved.items() if k != "params"}
+    for key in set(getattr(cls, "optional_group_keys", ())) - saved.keys():
+        if key in opt.param_groups[i]:
+            # This optimizer's own setting holds where the checkpoint has none (a bitsandbytes
+            # group's "master"), not the class's default.
+            hyper[key] = opt.param_groups[i][key]
     if not allow_nonfinite:
         for key, value in hyper.items():
             if _nonfinite(value):
@@ -252,7 +262,8 @@ def _check_entry(
     slot = opt._slots.get(param)
     target = slot.master if slot is not None else opt._device_share.target[param]
     cls = opt.optimizer_cls
-    own_check = getattr(cls, "check_state_entry", None)  # a class that checks its own entries
+    owner = opt._host_optimizer if slot is not None else opt._device_share.optimizer
+    own_check = getattr(owner, "check_state_entry", None)  # a class that checks its own entries
     if own_check is not None and entry:
         if MASTER_KEY in entry:
             raise ValueError(f"{where} has a {MASTER_KEY!r}, which {cls.__name__} does not keep.")
@@ -271,7 +282,8 @@ def _check_entry(
                 f"{where} has the keys {sorted(map(str, keys))}"
                 + (f", lacking {lacks}" if lacks else "") + (f", with {extra} too" if extra else "")
                 + f": {cls.__name__}{settings} keeps {sorted(required | optional)} per parameter. "
-                "The checkpoint is incomplete or from another optimizer class or setting."
+                + _WHOSE.get(next((k for k in _WHOSE if k in keys), None),
+                             "The checkpoint is incomplete or from another optimizer class or setting.")
             )
     out, master = {}, None
     for key, value in entry.items():

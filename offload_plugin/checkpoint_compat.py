@@ -30,6 +30,15 @@ def _group_tensors(params: Iterable) -> list[list[torch.Tensor]]:
     return [params]
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Whether two hyperparameter values are equal (tensors by value, NaN equal to NaN)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    return bool(a == b) or (a != a and b != b)
+
+
 def convert_torchao_state_dict(
     state_dict: dict, params: Iterable, minimal_size: int = TORCHAO_MINIMAL_SIZE
 ) -> dict:
@@ -44,13 +53,18 @@ def convert_torchao_state_dict(
         dict: ``{"state": {index: ...}, "param_groups": [...]}`` over ``params``.
 
     Raises:
-        ValueError: the checkpoint holds a different number of tensors or groups.
+        ValueError: the checkpoint holds a different number of tensors or groups, state its
+            groups do not list, or different hyperparameters for tensors of one of ours.
     """
     offloaded = list(state_dict["offloaded"])
     on_device = state_dict.get("on-device") or {"state": {}, "param_groups": []}
     device_groups = list(on_device["param_groups"])
+    stray = set(on_device["state"]) - {i for g in device_groups for i in g["params"]}
+    if stray:
+        raise ValueError(f"torchao checkpoint's on-device state has entries {sorted(map(repr, stray))[:4]} "
+                         "that none of its groups lists.")
     state, groups, index = {}, [], 0
-    for tensors in _group_tensors(params):
+    for g, tensors in enumerate(_group_tensors(params)):
         small = [p for p in tensors if p.numel() < minimal_size]
         if small and not device_groups:
             raise ValueError(
@@ -69,13 +83,27 @@ def convert_torchao_state_dict(
                     )
                 entry = offloaded.pop(0)
                 (group,) = entry["param_groups"]
-                saved = entry["state"].get(group["params"][0])
+                (pid,) = group["params"]  # (one tensor per offloaded optimizer)
+                if set(entry["state"]) - {pid}:
+                    raise ValueError("torchao checkpoint has an offloaded optimizer with state for "
+                                     "tensors its group does not list.")
+                saved = entry["state"].get(pid)
             else:
                 if not device_ids:
                     raise ValueError("torchao checkpoint's on-device group is smaller than ours.")
                 group = device_group
                 saved = on_device["state"].get(device_ids.pop(0))
-            hyper = hyper or {k: v for k, v in group.items() if k != "params"}
+            mine = {k: v for k, v in group.items() if k != "params"}
+            differ = [] if hyper is None else sorted(
+                k for k in hyper.keys() | mine.keys() if k not in hyper or k not in mine or not _same(hyper[k], mine[k]))
+            if differ:
+                # (e.g. a scheduler with one lambda per torchao group) Ours keep one set per group.
+                raise ValueError(
+                    f"torchao checkpoint gives the tensors of parameter group {g} different {differ}; "
+                    "these parameter groups hold one value each. Build the optimizer with one group "
+                    "per distinct setting, or set them equal in the checkpoint."
+                )
+            hyper = mine
             if saved is not None:
                 state[index] = saved
             ids.append(index)

@@ -58,6 +58,7 @@ import ctypes
 import functools
 import logging
 import math
+import numbers
 import os
 import threading
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import native_adam
+from . import bnb_state, native_adam
 
 __all__ = [
     "BLOCK", "CompactAdamState", "dynamic_map", "master_of", "split_master", "quantize",
@@ -323,6 +324,8 @@ class CompactAdamState:
 
     @classmethod
     def from_state_dict(cls, d: dict, weight: torch.Tensor) -> "CompactAdamState":
+        """The state :meth:`state_dict` saved, over ``weight``; ValueError if an entry is
+        missing or of another dtype, size or value than this layout holds."""
         n, blocks = weight.numel(), -(-weight.numel() // BLOCK)
         want = {"exp_avg": (torch.uint8, n), "exp_avg_sq": (torch.uint8, n),
                 "exp_avg_absmax": (torch.float32, blocks), "exp_avg_sq_absmax": (torch.float32, blocks),
@@ -331,13 +334,32 @@ class CompactAdamState:
             t = d.get(key)
             if t is None and key == "remainder":
                 continue
-            if t is None or t.dtype != dtype or t.numel() != numel:
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.numel() != numel:
                 raise ValueError(f"compact state entry {key!r}: expected {dtype} of {numel} elements")
+        for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+            if not bool(((d[key] >= 0) & torch.isfinite(d[key])).all()):
+                raise ValueError(f"compact state entry {key!r}: block scales must be finite and >= 0")
         flat = lambda key: d[key].detach().reshape(-1).to("cpu").clone()
         return cls(weight=weight, remainder=flat("remainder") if "remainder" in d else None,
                    exp_avg=flat("exp_avg"), exp_avg_absmax=flat("exp_avg_absmax"),
                    exp_avg_sq=flat("exp_avg_sq"), exp_avg_sq_absmax=flat("exp_avg_sq_absmax"),
-                   step=int(float(d["step"])))
+                   step=int(checked_step("compact state entry", d.get("step"), whole=True)))
+
+
+def checked_step(where: str, value, whole: bool) -> float:
+    """A saved step count as a float: a number or a one-element real tensor, finite and
+    >= 0, and a whole number where ``whole`` (the compact update counts whole steps; torch's
+    AdamW keeps a float). Raises ValueError naming ``where`` otherwise."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool \
+            and not value.is_complex() and value.layout == torch.strided and not value.is_meta:
+        value = value.item()
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if not ok or (whole and value != int(value)):
+        raise ValueError(
+            f"{where} ('step') is {value!r:.40}; it needs {'a whole' if whole else 'a finite'} "
+            "number of steps >= 0 (a number or a one-element tensor)."
+        )
+    return float(value)
 
 
 # --- the update -------------------------------------------------------------------------------
@@ -574,21 +596,13 @@ def from_bnb(param: torch.Tensor, entry: dict, master_weights: bool = True) -> C
     ``absmax2`` one per block, ``step``; the quantization tensors may be wrapped under
     ``"__bnb_optimizer_quant_state__"`` (its state_dict() does that). Parameters it kept
     in 32 bits (fewer than its min_8bit_size elements) hold fp32 ``state1``/``state2``.
-    bitsandbytes has no master weights: ``param`` is the master."""
-    entry = dict(entry)
-    entry.update(entry.pop("__bnb_optimizer_quant_state__", {}))
-    n = param.numel()
+    Its moments are dequantized through its own maps and quantized again with ours.
+    bitsandbytes has no master weights: ``param`` is the master.
 
-    def moment(k: int) -> torch.Tensor:
-        s = entry[f"state{k}"].detach().reshape(-1).to("cpu")
-        if s.dtype != torch.uint8:
-            return s.float()
-        qmap, absmax = entry[f"qmap{k}"].to("cpu", torch.float32), entry[f"absmax{k}"].to("cpu", torch.float32).reshape(-1)
-        # Its block size (256 in 0.50): the power of two that gives this many blocks.
-        block = next((b for b in (2 ** e for e in range(6, 13)) if -(-n // b) == absmax.numel()), None)
-        if block is None or s.numel() != n:
-            raise ValueError(f"bitsandbytes state{k}: {absmax.numel()} absmax for {n} elements")
-        return qmap[s.long()] * absmax.repeat_interleave(block)[:n]
-
-    step = entry["step"]
-    return from_exact(param, moment(1), moment(2), step=int(float(step)), master_weights=master_weights)
+    Raises:
+        ValueError: the entry is not what bitsandbytes writes for ``param`` (bnb_state says
+            what differs).
+    """
+    moments = bnb_state.read_entry("bitsandbytes state entry", entry, param.shape)
+    return from_exact(param, moments.exp_avg, moments.exp_avg_sq, step=moments.step,
+                      master_weights=master_weights)

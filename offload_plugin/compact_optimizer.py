@@ -24,19 +24,22 @@ instead: ``exp_avg`` and ``exp_avg_sq`` in fp32, updated by torch's fused AdamW 
 fp32 master. Compressing them too made the loss curve drift further from exact AdamW's
 than bitsandbytes' AdamW8bit's (bench/compact_quality.py). :func:`to_adamw_state_dict` and :func:`from_adamw_state_dict` convert
 a whole state dict to and from torch's AdamW layout; a bitsandbytes AdamW8bit (or
-PagedAdamW8bit, torchtune's stock full-finetune optimizer) state dict loads as it is.
+PagedAdamW8bit, torchtune's stock full-finetune optimizer) state dict loads as it is, here
+or through CPUOffloadOptimizer. Loading checks every group and entry before changing
+anything, and refuses settings this update cannot honour (amsgrad, maximize, Adam's L2 decay).
 """
 
 from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin import compact_adam, host_update
+from offload_plugin import bnb_state, compact_adam, host_update
 
 __all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "exact_update"]
 
@@ -74,8 +77,8 @@ class CompactAdamW(Optimizer):
     streams_compact = True
     # step(grad_scale=...) applies a gradient scale inside its pass (see step).
     scales_gradients_in_step = True
-    # Group keys a checkpoint may lack: bitsandbytes' AdamW8bit has no "master" (its state
-    # entries convert, see check_state_entry).
+    # Group keys a checkpoint may lack, the loading optimizer's own setting then holding:
+    # bitsandbytes' AdamW8bit has no "master" (its state entries convert, see check_state_entry).
     optional_group_keys = ("master", "min_8bit_size")
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -249,108 +252,292 @@ class CompactAdamW(Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As torch's, except that state tensors keep their dtypes: torch's own loading casts
-        every state tensor of a floating-point parameter to its dtype, which would turn the
-        uint8 codes and the int16 remainder into bf16. Entries are taken as given (no
-        checks: CPUOffloadOptimizer.load_state_dict checks them first, check_state_entry)."""
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError("loaded state dict has a different number of parameter groups or "
-                             "parameters than this CompactAdamW")
-        by_index = {index: p for s, g in zip(saved_groups, self.param_groups)
-                    for index, p in zip(s["params"], g["params"])}
-        self.state = collections.defaultdict(dict)
-        for index, entry in state_dict["state"].items():
-            p = by_index[index]
-            self.state[p] = {k: v.detach().to("cpu").clone() for k, v in entry.items()}
-            for key in _SCALES:  # (a shard keeps them per row)
-                if key in self.state[p]:
-                    self.state[p][key] = self.state[p][key].reshape(self._scale_shape(p))
-        for saved, group in zip(saved_groups, self.param_groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
+        """As torch's, with everything checked and converted before anything changes: a
+        refused load leaves parameters, state and groups as they were. Group settings this
+        update cannot honour are refused (amsgrad, maximize, Adam's L2 decay, capturable,
+        differentiable; see _group_to_load); foreach and fused, which change nothing here,
+        are dropped. Every entry goes through :meth:`check_state_entry`, so a bitsandbytes
+        AdamW8bit or PagedAdamW8bit state dict loads as it is. State tensors keep their
+        dtypes (torch's own loading casts every state tensor of a floating-point parameter
+        to its dtype: the uint8 codes and the int16 remainder would become bf16).
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict.
+            ValueError: it does not match this optimizer's groups and parameters, or a group
+                or entry is malformed or asks for what this update does not do; the message
+                says which and what to do.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError("load_state_dict expects an optimizer state dict (a dict with 'state' "
+                            f"and 'param_groups'), got {type(state_dict).__name__}.")
+        state_dict = dict(state_dict)  # shallow, as torch does: hooks may replace entries
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        groups, state = self._checked_load(state_dict)
+        # Nothing below can fail: all was checked and copied.
+        self.state = collections.defaultdict(dict, state)
+        for group, hyper in zip(self.param_groups, groups):
+            params, names = group["params"], group.get("param_names")
+            group.clear()
+            group.update(hyper, params=params)
+            if names is not None and "param_names" not in hyper:  # as torch keeps them
+                group["param_names"] = names
         # Loaded remainders belong to the weights as they are now (saved together).
         self._versions = {}
         for group in self.param_groups:
             for p in group["params"]:
                 self._remember_version(p)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
-    @staticmethod
-    def check_state_entry(where: str, entry: dict, param: torch.Tensor, group: dict) -> dict:
-        """A checkpoint's state entry for ``param``, checked and copied into new host
-        tensors (``CPUOffloadOptimizer.load_state_dict`` calls this before changing
-        anything); raises ValueError saying what is wrong."""
-        if _BNB_STATE in entry or "state1" in entry:
-            entry = _from_bnb_entry(where, entry, param, group)
-        n, blocks = param.numel(), -(-param.numel() // compact_adam.BLOCK)
-        moment = entry.get("exp_avg")
-        if _is_exact(entry) and isinstance(moment, torch.Tensor) and moment.is_floating_point():
-            # The exact layout (parameters under min_8bit_size): fp32 moments.
-            want = {"step": (None, 1), "exp_avg": (torch.float32, n), "exp_avg_sq": (torch.float32, n)}
-        else:
-            want = {"step": (None, 1), "exp_avg": (torch.uint8, n), "exp_avg_sq": (torch.uint8, n),
-                    "exp_avg_absmax": (torch.float32, blocks), "exp_avg_sq_absmax": (torch.float32, blocks)}
-        if group.get("master", True):
-            want["remainder"] = (torch.int16, n)
-        if set(entry) != set(want):
+    def _checked_load(self, state_dict: Mapping) -> tuple[list, dict]:
+        """(each group's new settings, the new state by parameter), from ``state_dict``
+        checked and converted into new tensors; reads this optimizer only."""
+        saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+        if not (isinstance(saved_state, Mapping) and isinstance(saved_groups, (list, tuple)) and all(
+                isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in saved_groups)):
+            raise ValueError("not an optimizer state dict: it needs a dict 'state' and a list "
+                             "'param_groups' of dicts, each with a 'params' list (torch's layout).")
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
             raise ValueError(
-                f"{where} has the keys {sorted(map(str, entry))}: CompactAdamW"
-                f"(master={group.get('master', True)}) keeps {sorted(want)} for this parameter. A "
-                "torch AdamW state dict converts with "
-                "offload_plugin.compact_optimizer.from_adamw_state_dict."
+                f"the state dict has {[len(s['params']) for s in saved_groups]} parameters per group, "
+                f"this CompactAdamW {[len(g['params']) for g in self.param_groups]}: build it over "
+                "the same parameter groups as the optimizer that saved it."
             )
-        out = {}
-        for key, (dtype, numel) in want.items():
-            value = entry[key]
-            if key == "remainder" and isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
-                value = value.view(torch.int16)  # its bits, as a sharded checkpoint carries them
-            if not isinstance(value, torch.Tensor) or value.numel() != numel or (
-                    dtype is not None and value.dtype != dtype):
-                got = (f"{value.dtype} with {value.numel()} elements" if isinstance(value, torch.Tensor)
-                       else type(value).__name__)
-                need = "one number" if dtype is None else f"{dtype} with {numel} elements"
-                raise ValueError(f"{where} ({key!r}) is {got}; it needs {need}.")
-            value = value.detach().to("cpu").clone()
-            if dtype is None or dtype == torch.float32:
-                value = value.float()
-                signed = key == "exp_avg"  # (the exact layout's first moment)
-                if not bool(torch.isfinite(value).all()) or (not signed and bool((value < 0).any())):
-                    raise ValueError(f"{where} ({key!r}) holds a negative or non-finite value.")
-            out[key] = value.reshape(()) if dtype is None else (
-                value.reshape(param.shape) if numel == n else value.reshape(-1))
-        return out
+        where_is = {}  # saved index -> (parameter, group number)
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            for index, p in zip(saved["params"], group["params"]):
+                try:
+                    seen = index in where_is
+                except TypeError:
+                    raise ValueError(f"parameter group {i} lists {index!r:.40}, which is not a valid index.") from None
+                if seen:
+                    raise ValueError(f"parameter index {index!r} appears more than once in the state dict's groups.")
+                where_is[index] = (p, i)
+        groups = [self._group_to_load(i, saved, group)
+                  for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups))]
+        state = {}
+        for index, entry in saved_state.items():
+            if index not in where_is:
+                raise ValueError(f"the state dict has state for {index!r:.40}, which its groups do not list.")
+            p, i = where_is[index]
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"state entry {index!r} is a {type(entry).__name__}, not a dict of per-parameter state.")
+            if entry:  # (an empty one: not stepped yet)
+                state[p] = self.check_state_entry(f"state entry {index!r}", entry, p, groups[i])
+        return groups, state
 
-
-_BNB_STATE = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict() puts its codes
-
-
-def _from_bnb_entry(where: str, entry: dict, param: torch.Tensor, group: dict) -> dict:
-    """A bitsandbytes (0.50) AdamW8bit state entry as CompactAdamW's: its moments are
-    dequantized through its own maps and quantized again with ours; the weight is the
-    master (bitsandbytes keeps none). Anything malformed raises ValueError."""
-    quant = entry.get(_BNB_STATE, entry)
-    if isinstance(quant.get("state1"), torch.Tensor) and quant["state1"].is_floating_point():
-        # A parameter it kept in 32 bits (under its min_8bit_size): ours keeps it exact too.
+    def _group_to_load(self, i: int, saved: Mapping, current: dict) -> dict:
+        """Group ``i`` of a state dict as this optimizer takes it in place of ``current``:
+        without _FOREIGN_SETTINGS (checked first); ``optional_group_keys`` it lacks taken from
+        ``current`` (a bitsandbytes group has no "master": this optimizer's setting holds); its
+        own settings checked and normalized by the constructor and by what step() checks, and
+        finite; other keys kept, as torch keeps them (a scheduler's "initial_lr")."""
+        hyper = _without_foreign_settings(i, {k: v for k, v in saved.items() if k != "params"})
+        for key in self.optional_group_keys:
+            hyper.setdefault(key, current[key])
+        missing = sorted(set(self.defaults) - hyper.keys())
+        if missing:
+            raise ValueError(
+                f"parameter group {i} of the state dict lacks {missing}, which CompactAdamW needs "
+                f"(it has {sorted(map(str, hyper))}): it was written by another optimizer class. Load "
+                "it into the class that wrote it, or start this optimizer fresh."
+            )
         try:
-            out = {"step": torch.as_tensor(float(entry["step"])),
-                   "exp_avg": quant["state1"].detach().float().reshape(param.shape),
-                   "exp_avg_sq": quant["state2"].detach().float().reshape(param.shape)}
-        except (KeyError, RuntimeError, TypeError, ValueError) as err:
-            raise ValueError(f"{where} looks like a bitsandbytes AdamW8bit entry but does not "
-                             f"convert: {type(err).__name__}: {err}") from None
-        if group.get("master", True):  # it keeps no master: the weight is the master
-            out["remainder"] = torch.zeros(param.shape, dtype=torch.int16)
+            probe = type(self)([torch.zeros(1, dtype=torch.bfloat16)], **{k: hyper[k] for k in self.defaults})
+            own = probe.param_groups[0]
+            host_update.check_hyperparameters(i, own)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"parameter group {i} of the state dict does not work with CompactAdamW: "
+                             f"{type(err).__name__}: {err}") from None
+        for key in ("lr", "betas", "eps", "weight_decay"):
+            if not _finite(own[key]):
+                raise ValueError(f"parameter group {i} of the state dict: {key}={own[key]!r} is not finite.")
+        hyper.update({k: own[k] for k in self.defaults})
+        return hyper
+
+    def check_state_entry(self, where: str, entry: Mapping, param: torch.Tensor, group: dict) -> dict:
+        """A checkpoint's state entry for ``param`` (one of this optimizer's tensors), checked
+        and copied into new host tensors; load_state_dict, and CPUOffloadOptimizer's, call it
+        for every entry before changing anything. A bitsandbytes entry is converted first
+        (_from_bnb_entry). Then each key of the layout (or of _OPTIONAL_ENTRY_KEYS) must have
+        its dtype and exact shape: codes, the exact layout's moments and the remainder shaped
+        like ``param`` (a shard: its rows here), block scales as _scale_shape gives them (the
+        remainder may come as its bits in bf16, as a sharded checkpoint carries it). Floats
+        must be finite, second moments and scales >= 0, and the count a number >= 0 (whole
+        in the compact layout, whose update counts whole steps).
+
+        Raises:
+            ValueError: naming ``where`` and the key, saying what is wrong and what to do.
+        """
+        if bnb_state.is_bnb_entry(entry):
+            new_compact = self._compact_when_new(param, group)  # (the layout it would get fresh)
+            entry = _from_bnb_entry(where, entry, param, group, self._scale_shape(param) if new_compact else None)
+        compact = any(k in entry for k in _SCALES)
+        layout = self._layout(where, param, group, compact)
+        optional = {k: spec for k, spec in _OPTIONAL_ENTRY_KEYS.items() if spec[2] in layout}
+        keys = set(entry)
+        if not set(layout) <= keys <= set(layout) | set(optional):
+            lacks, extra = sorted(map(str, set(layout) - keys)), sorted(map(str, keys - set(layout) - set(optional)))
+            raise ValueError(
+                f"{where} has the keys {sorted(map(str, keys))}"
+                + (f", lacking {lacks}" if lacks else "") + (f", with {extra} too" if extra else "")
+                + f": CompactAdamW(master={group['master']}) keeps {sorted(layout)} for this parameter "
+                f"in its {'compact' if compact else 'exact'} layout. A torch AdamW state dict converts "
+                "with offload_plugin.compact_optimizer.from_adamw_state_dict."
+            )
+        out = {"step": torch.tensor(compact_adam.checked_step(where, entry["step"], whole=compact),
+                                    dtype=torch.float32)}
+        for key, (dtype, shape, *_) in {**layout, **optional}.items():
+            if key in entry and key != "step":
+                out[key] = _checked_tensor(where, key, entry[key], dtype, shape)
         return out
+
+    def _layout(self, where: str, p: torch.Tensor, group: dict, compact: bool) -> dict:
+        """Each key of ``p``'s state entry in the compact or exact layout: (dtype, shape)."""
+        shape, scales = tuple(p.shape), self._scale_shape(p)
+        if compact and len(scales) == 2 and math.prod(scales) * compact_adam.BLOCK != p.numel():
+            raise ValueError(
+                f"{where} is in the compact layout, but this parameter is sharded and its rows are "
+                "not whole blocks of 256: it keeps exact state (fp32 moments). Convert the checkpoint "
+                "with to_adamw_state_dict and from_adamw_state_dict, or start its state fresh."
+            )
+        layout = {"step": (None, ())}
+        if compact:
+            layout.update(exp_avg=(torch.uint8, shape), exp_avg_absmax=(torch.float32, scales),
+                          exp_avg_sq=(torch.uint8, shape), exp_avg_sq_absmax=(torch.float32, scales))
+        else:
+            layout.update(exp_avg=(torch.float32, shape), exp_avg_sq=(torch.float32, shape))
+        if group["master"]:
+            layout["remainder"] = (torch.int16, shape)
+        return layout
+
+
+# Keys an entry may hold beyond its layout's: key -> (dtype, shape, the layout key it needs
+# beside it). Shape () takes one element in any shape, kept 0-d (as the count is).
+_OPTIONAL_ENTRY_KEYS: dict[str, tuple] = {}
+# Float state that cannot be negative: second moments (their square root is taken) and scales.
+_NONNEGATIVE = {"exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"}
+
+
+def _checked_tensor(where: str, key: str, value: Any, dtype: Optional[torch.dtype], shape: tuple) -> torch.Tensor:
+    """``value`` as a new contiguous host tensor of ``dtype`` (None: any floating point,
+    converted to fp32) and exactly ``shape``, finite where it is floating point; else
+    ValueError naming ``where`` and ``key``."""
+    if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_meta or value.is_quantized):
+        raise ValueError(f"{where} ({key!r}) is a {value.layout} tensor on {value.device}; it needs a dense tensor with data.")
+    if key == "remainder" and isinstance(value, torch.Tensor) and value.dtype == torch.bfloat16:
+        value = value.view(torch.int16)  # its bits, as a sharded checkpoint carries them (checkpoint._shard_state)
+    needs = "a floating-point tensor" if dtype is None else f"a {dtype} tensor"
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where} ({key!r}) is {type(value).__name__} {value!r:.40}; it needs {needs} of shape {shape}.")
+    if value.dtype != dtype and not (dtype is None and value.is_floating_point()):
+        raise ValueError(f"{where} ({key!r}) has dtype {value.dtype}; it needs {needs} (CompactAdamW's layout).")
+    if tuple(value.shape) != shape and not (shape == () and value.numel() == 1):
+        if value.numel() == math.prod(shape):
+            hint = (f"the same number of elements in another shape (transposed, or another parameter's?); "
+                    f"if it holds the values in order, reshape it to {shape}")
+        else:
+            hint = ("the checkpoint belongs to another model, or its parameters are in another order "
+                    "(indices follow the order of the optimizer's parameters)")
+        raise ValueError(f"{where} ({key!r}) has shape {tuple(value.shape)} ({value.numel()} elements); "
+                         f"it needs exactly {shape}: {hint}.")
+    out = value.detach().to("cpu", dtype=torch.float32 if dtype is None else dtype, copy=True,
+                            memory_format=torch.contiguous_format).reshape(shape)
+    if out.is_floating_point():
+        bad = out.numel() - int(torch.isfinite(out).sum())
+        if bad:
+            raise ValueError(f"{where} ({key!r}) holds {bad} inf or NaN value(s): the next step would "
+                             "carry them into the weights. Load a checkpoint from before.")
+        if key in _NONNEGATIVE and bool((out < 0).any()):
+            raise ValueError(f"{where} ({key!r}) holds {int((out < 0).sum())} negative value(s); it cannot "
+                             "be negative (a second moment, whose square root is taken, or a block scale).")
+    return out
+
+
+# Group settings of torch's Adam/AdamW and bitsandbytes' optimizers that CompactAdamW has no
+# key for, each with the value under which its update does what the setting says (_ANY: no
+# value changes the result; the update is one native pass whatever foreach and fused say).
+# A group saying otherwise is refused (_REFUSED says what to do); the keys are then dropped,
+# so that a loaded group never says what the update does not do.
+_ANY = object()
+_FOREIGN_SETTINGS = {
+    "foreach": _ANY, "fused": _ANY, "amsgrad": False, "maximize": False, "capturable": False,
+    "differentiable": False, "decoupled_weight_decay": True,
+    "alpha": 0.0, "t_alpha": None, "t_beta3": None,  # (bitsandbytes' AdEMAMix terms)
+}
+_TO_TORCH = "load it into torch's AdamW (CPUOffloadOptimizer's default optimizer_cls)"
+_ADEMAMIX = "bitsandbytes' AdEMAMix; CompactAdamW is AdamW: load it into bitsandbytes' AdEMAMix8bit"
+_REFUSED = {
+    "amsgrad": f"CompactAdamW keeps no max_exp_avg_sq: {_TO_TORCH}, or set it to False to go on without amsgrad",
+    "maximize": f"CompactAdamW minimizes: {_TO_TORCH}, or set it to False and negate the loss",
+    "capturable": "CompactAdamW updates host tensors, outside CUDA graphs: set it to False",
+    "differentiable": "CompactAdamW's update is not differentiable: set it to False",
+    "decoupled_weight_decay": (
+        "Adam's L2 weight decay, where CompactAdamW decays the weights decoupled, as AdamW: load it "
+        "into optimizer_cls=torch.optim.Adam, or set it to True to go on as AdamW (as torch's AdamW "
+        "does with an Adam checkpoint)"),
+    "alpha": _ADEMAMIX, "t_alpha": _ADEMAMIX, "t_beta3": _ADEMAMIX,
+}
+
+
+def _says(value: Any, want: Any) -> bool:
+    """Whether a setting's ``value`` means ``want`` (truthiness for flags, as torch reads them)."""
     try:
-        state = compact_adam.from_bnb(param.detach().to(torch.bfloat16), entry,
-                                      master_weights=group.get("master", True))
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(
-            f"{where} looks like a bitsandbytes AdamW8bit entry but does not convert: "
-            f"{type(err).__name__}: {err}"
-        ) from None
-    return {k: v.view(param.shape) if v.numel() == param.numel() else v
-            for k, v in state.state_dict().items()}
+        if want is _ANY or want is None:
+            return want is _ANY or value is None
+        return bool(value) == want if isinstance(want, bool) else bool(value == want)
+    except (TypeError, ValueError, RuntimeError):  # (a tensor of several values, ...)
+        return False
+
+
+def _without_foreign_settings(i: int, group: Mapping) -> dict:
+    """Group ``i`` of a state dict without _FOREIGN_SETTINGS, each checked first."""
+    hyper = dict(group)
+    for key, want in _FOREIGN_SETTINGS.items():
+        if key not in hyper:
+            continue
+        value = hyper.pop(key)
+        if key == "decoupled_weight_decay" and _says(hyper.get("weight_decay"), 0.0):
+            continue  # without decay, Adam and AdamW are the same update
+        if not _says(value, want):
+            raise ValueError(
+                f"parameter group {i} of the state dict has {key}={value!r:.40}, which CompactAdamW's "
+                f"update does not do: {_REFUSED[key]} (param_groups[{i}][{key!r}] in the state dict). "
+                "Nothing was loaded."
+            )
+    return hyper
+
+
+def _finite(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(map(_finite, value))
+    return bool(torch.isfinite(torch.as_tensor(value, dtype=torch.float64)).all())
+
+
+def _from_bnb_entry(where: str, entry: Mapping, param: torch.Tensor, group: dict,
+                    scale_shape: Optional[tuple]) -> dict:
+    """A bitsandbytes Adam entry (bnb_state reads and checks it) in CompactAdamW's layout:
+    compact where bitsandbytes kept 8 bits and ``scale_shape`` is given (its moments
+    dequantized through its maps and quantized with ours, within a quantization step),
+    else exact (its moments as it defines them, in fp32: ``scale_shape`` None means the
+    parameter keeps exact state here). bitsandbytes keeps no master: the weight is the
+    master (remainder zero)."""
+    moments = bnb_state.read_entry(where, entry, param.shape)
+    out = {"step": moments.step}
+    if moments.quantized and scale_shape is not None:
+        for key, scale_key, value, signed in (("exp_avg", "exp_avg_absmax", moments.exp_avg, True),
+                                              ("exp_avg_sq", "exp_avg_sq_absmax", moments.exp_avg_sq, False)):
+            codes, absmax = compact_adam.quantize(value.reshape(-1), signed)
+            out[key], out[scale_key] = codes.view(param.shape), absmax.view(scale_shape)
+    else:
+        out.update(exp_avg=moments.exp_avg, exp_avg_sq=moments.exp_avg_sq)
+    if group["master"]:
+        out["remainder"] = torch.zeros(param.shape, dtype=torch.int16)
+    return out
 
 
 def exact_update(weight: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor,
@@ -418,13 +605,16 @@ def _check_tensor(t: torch.Tensor, what: str) -> None:
 def to_adamw_state_dict(state_dict: dict, params: list) -> tuple[dict, list]:
     """A CompactAdamW state dict in torch AdamW's layout: (state dict, fp32 masters in the
     order of ``params``, the parameters the state belongs to, as bf16 weights). Load the
-    masters into fp32 parameters for an exact continuation, or round them to bf16."""
+    masters into fp32 parameters for an exact continuation, or round them to bf16. A group
+    keeps its ``fused`` if it has one, else says fused=True: the exact layout's update
+    (parameters under min_8bit_size) is torch's fused AdamW, which such tensors then continue
+    bit for bit (torch's for-loop AdamW rounds differently)."""
     out, masters = {"state": {}, "param_groups": []}, []
     for group in state_dict["param_groups"]:
-        out["param_groups"].append({k: v for k, v in group.items() if k != "master"}
+        out["param_groups"].append({k: v for k, v in group.items() if k not in ("master", "min_8bit_size")}
                                    | {"amsgrad": False, "maximize": False, "foreach": None,
-                                      "capturable": False, "differentiable": False, "fused": None,
-                                      "decoupled_weight_decay": True})
+                                      "capturable": False, "differentiable": False,
+                                      "fused": group.get("fused", True), "decoupled_weight_decay": True})
     for index, p in enumerate(params):
         entry = state_dict["state"].get(index)
         weight = p.detach().reshape(-1).to("cpu", torch.bfloat16).contiguous()
@@ -449,29 +639,40 @@ def from_adamw_state_dict(state_dict: dict, params: list, master: bool = True,
     ``params`` in the state dict's order. Where an entry has a fp32 master, the remainder
     is the master's; the weight the model needs is then the master rounded, which
     :func:`compact_adam.split_master` gives. Parameters under ``min_8bit_size`` elements
-    keep their moments exactly (as CompactAdamW keeps them)."""
+    keep their moments exactly (as CompactAdamW keeps them).
+
+    Raises:
+        ValueError: a group asks for what CompactAdamW does not do (amsgrad, maximize,
+            Adam's L2 decay, ...), or an entry is not torch AdamW's (keys, exact shapes,
+            finite values): quantizing would hide a NaN or a misplaced moment.
+    """
     out = {"state": {}, "param_groups": []}
-    for group in state_dict["param_groups"]:
-        keep = {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "params") if k in group}
-        out["param_groups"].append(keep | {"master": master, "min_8bit_size": min_8bit_size})
+    for i, group in enumerate(state_dict["param_groups"]):
+        out["param_groups"].append(_without_foreign_settings(i, group)
+                                   | {"master": master, "min_8bit_size": min_8bit_size})
+    keys = {"step", "exp_avg", "exp_avg_sq"}
     for index, p in enumerate(params):
         entry = state_dict["state"].get(index)
         if not entry:
             continue
-        if p.numel() < min_8bit_size:
-            source = entry.get("master_weight", p).detach().reshape(-1).to("cpu", torch.float32)
-            small = {"step": torch.as_tensor(float(entry["step"])),
-                     "exp_avg": entry["exp_avg"].detach().to("cpu", torch.float32).reshape(p.shape).clone(),
-                     "exp_avg_sq": entry["exp_avg_sq"].detach().to("cpu", torch.float32).reshape(p.shape).clone()}
+        where, shape, small = f"state entry {index}", tuple(p.shape), p.numel() < min_8bit_size
+        if not keys <= entry.keys() <= keys | {"master_weight"}:
+            raise ValueError(f"{where} has the keys {sorted(map(str, entry))}: torch AdamW's layout is "
+                             f"{sorted(keys)}, and 'master_weight' where CPUOffloadOptimizer saved one.")
+        m, v = (_checked_tensor(where, key, entry[key], None, shape) for key in ("exp_avg", "exp_avg_sq"))
+        saved_master = entry.get("master_weight")
+        if saved_master is not None:
+            saved_master = _checked_tensor(where, "master_weight", saved_master, None, shape)
+        step = compact_adam.checked_step(where, entry["step"], whole=not small)
+        if small:
+            source = saved_master if saved_master is not None else p.detach().to("cpu", torch.float32)
+            out["state"][index] = {"step": torch.tensor(step), "exp_avg": m, "exp_avg_sq": v}
             if master:
-                small["remainder"] = compact_adam.split_master(source)[1].view(p.shape)
-            out["state"][index] = small
+                out["state"][index]["remainder"] = compact_adam.split_master(source.reshape(-1))[1].view(p.shape)
             continue
-        state = compact_adam.from_exact(p, entry["exp_avg"], entry["exp_avg_sq"],
-                                        step=int(float(entry["step"])),
-                                        master=entry.get("master_weight"), master_weights=master)
+        state = compact_adam.from_exact(p, m, v, step=int(step), master=saved_master, master_weights=master)
         sd = state.state_dict()
-        out["state"][index] = {k: v.view(p.shape) if v.numel() == p.numel() else v for k, v in sd.items()}
+        out["state"][index] = {k: t.view(p.shape) if t.numel() == p.numel() else t for k, t in sd.items()}
     return out
 
 

@@ -510,3 +510,50 @@ def test_sgd_buffer_none_as_older_torch_saved_it_loads():
     ours.load_state_dict(sd)
     _steps(model, ours, 1)
     assert all(ours.state[p]["momentum_buffer"] is not None for p in trainable(model))
+
+
+# ---------------------------------------------------------------- torchao's layout
+
+def _torchao_state_dict(model, minimal_size=512):
+    """What torchao's CPUOffloadOptimizer saves (it needs a GPU; these are the optimizers it
+    builds): one fused AdamW per tensor of at least ``minimal_size`` elements, one for the rest."""
+    params = trainable(model)
+    big = [torch.optim.AdamW([{"params": [p]}], lr=LR, fused=True) for p in params if p.numel() >= minimal_size]
+    small = torch.optim.AdamW([{"params": [p for p in params if p.numel() < minimal_size]}], lr=LR, fused=True)
+
+    class Both:
+        def step(self):
+            for o in (*big, small):
+                o.step()
+
+        def zero_grad(self, set_to_none=True):
+            for o in (*big, small):
+                o.zero_grad(set_to_none)
+
+    _steps(model, Both(), 2)
+    return {"offloaded": [o.state_dict() for o in big], "on-device": small.state_dict()}
+
+
+@pytest.mark.parametrize("case,message", [
+    ("no lr anywhere", "lacks \\['lr'\\]"),
+    ("one tensor's lr", "different \\['lr'\\]"),
+    ("state beside its tensor", "does not list"),
+])
+def test_torchao_checkpoint_is_refused_where_it_does_not_say_one_thing_per_group(case, message):
+    """Its groups were filled in from this optimizer's own (a checkpoint without 'lr' loaded
+    with the live lr), and one group's tensors took the first one's settings, silently."""
+    sd = _torchao_state_dict(make_model())
+    if case == "no lr anywhere":
+        for group in [o["param_groups"][0] for o in sd["offloaded"]] + sd["on-device"]["param_groups"]:
+            del group["lr"]
+    elif case == "one tensor's lr":
+        sd["on-device"]["param_groups"][0]["lr"] = 3e-3
+    else:
+        sd["offloaded"][0]["state"][7] = copy.deepcopy(sd["offloaded"][0]["state"][0])
+    model = make_model()
+    opt = CPUOffloadOptimizer(model.parameters(), lr=5e-3, fused=True)
+    _steps(model, opt, 1)
+    before = _snapshot(model, opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(sd, torchao_minimal_size=512)
+    _assert_unchanged(before, _snapshot(model, opt))
