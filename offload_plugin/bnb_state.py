@@ -74,12 +74,13 @@ def read_entry(where: str, entry: Mapping, shape: torch.Size) -> BnbMoments:
     state1, state2 = (tensors.get(k) for k in ("state1", "state2"))
     if not (isinstance(state1, torch.Tensor) and isinstance(state2, torch.Tensor)):
         raise ValueError(f"{where} lacks the tensors 'state1' and 'state2' of a bitsandbytes Adam entry. {_FIX}")
+    held = set(tensors) - ({"step"} if tensors is entry else set())
     # An 8-bit entry has maps and block scales, and its codes are uint8: either tells.
-    quantized = state1.dtype == torch.uint8 or bool(set(tensors) & (_8BIT_KEYS - _32BIT_KEYS))
+    quantized = state1.dtype == torch.uint8 or bool(held & (_8BIT_KEYS - _32BIT_KEYS))
     want = _8BIT_KEYS if quantized else _32BIT_KEYS
-    if set(tensors) - {"step"} != want:
+    if held != want:
         raise ValueError(
-            f"{where} holds {sorted(map(str, set(tensors) - {'step'}))}: bitsandbytes' "
+            f"{where} holds {sorted(map(str, held))}: bitsandbytes' "
             f"{'8-bit' if quantized else '32-bit'} Adam state is {sorted(want)} (bitsandbytes "
             f"keeps more, such as 'unorm_vec' for max_unorm > 0, for updates CompactAdamW does "
             f"not make). {_FIX}"
@@ -114,8 +115,8 @@ def read_entry(where: str, entry: Mapping, shape: torch.Size) -> BnbMoments:
 
 def _step(where: str, value) -> int:
     """bitsandbytes counts steps in a Python int; a one-element tensor is taken too."""
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex() \
-            and value.dtype != torch.bool:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.layout == torch.strided \
+            and not value.is_meta and not value.is_complex() and value.dtype != torch.bool:
         value = value.item()
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) \
             or value < 0 or value != int(value):
@@ -154,10 +155,10 @@ def _qmap(where: str, key: str, value, signed: bool) -> torch.Tensor:
     signed (negative values) for the first moment, unsigned (none) for the second."""
     _check(where, key, value, torch.float32, (256,), "256 fp32 map values")
     q = _finite(where, key, value.detach().to("cpu"))
-    kind = "signed" if signed else "unsigned"
+    kind = "a signed" if signed else "an unsigned"
     if not (bool((q[1:] >= q[:-1]).all()) and float(q[-1]) == 1.0 and (float(q[0]) < 0) == signed):
         raise ValueError(
-            f"{where} ({key!r}) is not a {kind} dynamic map of bitsandbytes (256 values sorted "
+            f"{where} ({key!r}) is not {kind} dynamic map of bitsandbytes (256 values sorted "
             f"ascending up to 1.0, {'some' if signed else 'none'} negative): it runs from "
             f"{float(q[0]):.4g} to {float(q[-1]):.4g}. {_FIX}"
         )
