@@ -493,6 +493,7 @@ def with_masters(opt, sd: dict) -> dict:
     # torch's packing hands out the host optimizer's live per-parameter dicts: copy them
     # before adding keys, so the live state never holds the master or DTensors.
     sd["state"] = {index: dict(entry) for index, entry in sd["state"].items()}
+    saved_entry = getattr(opt._host_optimizer, "saved_entry", None)
     for index, param in enumerate(opt._params()):
         slot = opt._slots.get(param)
         if slot is None:  # updated on the device (device_fraction)
@@ -504,6 +505,8 @@ def with_masters(opt, sd: dict) -> dict:
         # call holds the weights from before the update it just completed.
         if slot.weight_stage is not None or opt.delayed_update:
             sd["state"].setdefault(index, {})[MASTER_KEY] = slot.master
+        if saved_entry is not None and index in sd["state"]:  # (CompactAdamW: its remainder's weight)
+            sd["state"][index] = saved_entry(slot.master, sd["state"][index], local_part(slot.param))
         if opt._slots.sharded and index in sd["state"]:
             sd["state"][index] = _shard_state(index, slot, sd["state"][index])
     return sd

@@ -39,9 +39,14 @@ from typing import Any, Optional
 import torch
 from torch.optim import Optimizer
 
+try:  # (weight_digest's fast path on the host)
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
+
 from offload_plugin import bnb_state, compact_adam, host_update
 
-__all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "exact_update"]
+__all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "exact_update", "weight_digest"]
 
 _CODES = ("exp_avg", "exp_avg_sq")
 _SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
@@ -101,15 +106,41 @@ class CompactAdamW(Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                       weight_decay=weight_decay, master=bool(master),
                                       min_8bit_size=min_8bit_size))
-        # A weight written by anyone else (new weights loaded) must drop its remainder,
-        # which belongs to the old one. CPUOffloadOptimizer says so (weight_replaced); used
-        # directly, a weight's version counter tells: the kernel's own writes go through a
-        # raw pointer and leave it alone. Only for tensors that own their storage: views
-        # (CPUOffloadOptimizer's host copies share blocks) count every write to the block.
-        self._versions: dict[int, int] = {}
-        # Tensors that are one rank's rows of a sharded (FSDP2) parameter: id -> its full
-        # shape (see shard_of).
-        self._full_shapes: dict[int, torch.Size] = {}
+        self._setup_tracking()
+
+    def _setup_tracking(self) -> None:
+        """The per-parameter records beside ``state`` (keyed by the tensors, as ``state`` is,
+        so that a deep copy keys its own tensors).
+
+        A remainder belongs to the weight it was made with. A weight written by anyone else
+        restarts its master from the written weight (remainder zero): the weight is the
+        master's upper half, so whether a write kept its values cannot be told without a
+        copy, which this state does not keep. CPUOffloadOptimizer reports writes
+        (weight_replaced); used directly, a weight's version counter tells: the kernel's own
+        writes go through a raw pointer and leave it alone. Only for tensors that own their
+        storage: views (CPUOffloadOptimizer's host copies share blocks) count every write to
+        the block. The one exception is a resume: loaded remainders carry the digest of their
+        weights (weight_digest), and one is kept when its weight, at its next update, has that
+        digest, whichever of model and optimizer was loaded first."""
+        self._versions: dict[torch.Tensor, int] = {}
+        self._loaded: dict[torch.Tensor, int] = {}  # p -> digest its loaded remainder needs
+        # One rank's rows of a sharded (FSDP2) parameter -> its full shape (see shard_of).
+        self._full_shapes: dict[torch.Tensor, torch.Size] = {}
+
+    def __getstate__(self) -> dict:
+        # torch's Optimizer pickles defaults, state and groups only; the records above go
+        # along (keyed by the same tensors, so a deep copy or pickle keys the copies).
+        return dict(super().__getstate__(), _loaded=self._loaded, _full_shapes=self._full_shapes)
+
+    def __setstate__(self, state: dict) -> None:
+        loaded, full_shapes = state.pop("_loaded", {}), state.pop("_full_shapes", {})
+        super().__setstate__(state)
+        self._setup_tracking()
+        self._loaded.update(loaded)
+        self._full_shapes.update(full_shapes)
+        for group in self.param_groups:  # (a copy's tensors have counters of their own)
+            for p in group["params"]:
+                self._remember_version(p)
 
     def shard_of(self, p: torch.Tensor, full_shape) -> None:
         """``p`` is this rank's rows (a dim-0 shard, as FSDP2 makes) of a parameter of
@@ -118,19 +149,19 @@ class CompactAdamW(Optimizer):
         the full parameter is at least ``min_8bit_size`` elements of 2 or more dims whose
         rows are whole blocks of 256 (then the block scales are kept per row, shaped
         ``(rows, blocks per row)``), else exact."""
-        self._full_shapes[id(p)] = torch.Size(full_shape)
+        self._full_shapes[p] = torch.Size(full_shape)
 
     def _compact_when_new(self, p: torch.Tensor, group: dict) -> bool:
         """Whether a parameter without state gets the compact layout (else exact)."""
         floor = group.get("min_8bit_size", MIN_8BIT_SIZE)
-        full = self._full_shapes.get(id(p))
+        full = self._full_shapes.get(p)
         if full is None:
             return p.numel() >= floor
         return len(full) >= 2 and math.prod(full) >= floor and math.prod(full[1:]) % compact_adam.BLOCK == 0
 
     def _scale_shape(self, p: torch.Tensor) -> tuple:
         """The shape of ``p``'s block scales: per row for a shard, else one flat run."""
-        full = self._full_shapes.get(id(p))
+        full = self._full_shapes.get(p)
         if full is None:
             return (-(-p.numel() // compact_adam.BLOCK),)
         return (p.shape[0], math.prod(full[1:]) // compact_adam.BLOCK)
@@ -145,60 +176,90 @@ class CompactAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # Groups and state entries are the user's to edit between steps: all are checked
-        # before any parameter is updated, so a refused step changes nothing.
+        # Groups, tensors and state entries are the user's to edit between steps: all are
+        # checked before any parameter is updated, so a refused step changes nothing.
         for index, group in enumerate(self.param_groups):
             host_update.check_hyperparameters(index, group)
             for p in group["params"]:
-                if p.grad is not None and self.state.get(p):
-                    _check_live_entry(p, self.state[p], group)
+                if p.grad is not None:
+                    _check_tensor(p, "parameter")
+                    _check_tensor(p.grad, "gradient")
+                    if self.state.get(p):
+                        _check_live_entry(p, self.state[p], group)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                _check_tensor(p, "parameter")
-                _check_tensor(p.grad, "gradient")
-                exact = self._exact_entry(p, group) is not None
+                entry = self.init_state(p, group)
                 if p.numel() == 0:  # an empty shard: nothing to update, the count goes on
-                    self._entry(p, group)["step"] += 1
+                    entry["step"] += 1
                     continue
-                if exact:
+                written = p._base is None and self._versions.get(p, p._version) != p._version
+                self._settle_remainder(p, p, written)
+                if _is_exact(entry):
                     self._exact_step(p, group, grad_scale)
-                    self._remember_version(p)
-                    continue
-                state = self._compact(p, group)
-                compact_adam.step_(
-                    state, p.grad.view(-1), lr=float(group["lr"]), beta1=float(beta1),
-                    beta2=float(beta2), eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]), grad_scale=grad_scale,
-                )
-                self.state[p]["step"].fill_(float(state.step))
+                else:
+                    state = self._compact(p, group)
+                    compact_adam.step_(
+                        state, p.grad.view(-1), lr=float(group["lr"]), beta1=float(beta1),
+                        beta2=float(beta2), eps=float(group["eps"]),
+                        weight_decay=float(group["weight_decay"]), grad_scale=grad_scale,
+                    )
+                    entry["step"].fill_(float(state.step))
                 self._remember_version(p)
         return loss
 
-    def weight_replaced(self, p: torch.Tensor) -> None:
-        """``p`` now holds new weights: its master restarts from them (remainder zero)."""
-        remainder = self.state[p].get("remainder") if p in self.state else None
+    def state_dict(self) -> dict:
+        """torch's layout; each entry with a remainder also holds ``weight_digest``, the
+        digest of the weight it belongs to (see _setup_tracking)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        for p in params:  # weights written since their last update (CPUOffloadOptimizer's adopts them too)
+            if p._base is None and self._versions.get(p, p._version) != p._version:
+                self._settle_remainder(p, p, written=True)
+                self._remember_version(p)
+        sd = super().state_dict()
+        sd["state"] = {index: self.saved_entry(params[index], entry, params[index])
+                       for index, entry in sd["state"].items()}
+        return sd
+
+    def saved_entry(self, p: torch.Tensor, entry: dict, weight: torch.Tensor) -> dict:
+        """``p``'s state entry as a checkpoint holds it: a new dict (torch's packing hands
+        out the live one) with the digest of ``weight``, the weight its remainder belongs
+        to. None for a shard's (one rank's digest cannot stand for a resharded load)."""
+        entry = dict(entry)
+        if entry.get("remainder") is not None and p not in self._full_shapes:
+            # (a remainder loaded and not yet matched to its weight still belongs to the one
+            # it was saved with)
+            digest = self._loaded[p] if p in self._loaded else weight_digest(weight)
+            entry["weight_digest"] = torch.tensor(digest, dtype=torch.int64)
+        return entry
+
+    def weight_replaced(self, p: torch.Tensor, weight: Optional[torch.Tensor] = None) -> None:
+        """``p``'s weight was written outside the optimizer (``weight``: where that weight
+        is, when ``p`` is not it, as for the streamed update's placeholders): its master
+        restarts from it (remainder zero), unless the remainder was loaded with a digest
+        that the written weight has (see _setup_tracking)."""
+        self._settle_remainder(p, p if weight is None else weight, written=True)
+
+    def before_update(self, p: torch.Tensor, weight: torch.Tensor) -> None:
+        """``p``'s update is about to read ``weight`` (for paths that update without
+        step(), the streamed update): a remainder loaded with a digest is kept or dropped
+        now, as step() does."""
+        if p in self._loaded:
+            self._settle_remainder(p, weight, written=False)
+
+    def _settle_remainder(self, p: torch.Tensor, weight: torch.Tensor, written: bool) -> None:
+        digest = self._loaded.pop(p, None)
+        if digest is not None:  # a resume: is this the weight the remainder was saved with?
+            written = weight_digest(weight) != digest
+        remainder = self.state[p].get("remainder") if written and p in self.state else None
         if remainder is not None:
             remainder.zero_()
 
     def _remember_version(self, p: torch.Tensor) -> None:
         if p._base is None:
-            self._versions[id(p)] = p._version
-
-    def _entry(self, p: torch.Tensor, group: dict) -> dict:
-        """``p``'s state entry, made in its layout if it has none yet."""
-        if self._exact_entry(p, group) is None:
-            self._compact(p, group)
-        return self.state[p]
-
-    def _exact_entry(self, p: torch.Tensor, group: dict) -> Optional[dict]:
-        """``p``'s entry if it keeps exact state (made at its first step if it is small)."""
-        entry = self.state[p]
-        if not entry and not self._compact_when_new(p, group):
-            entry = self.init_state(p, group)
-        return entry if entry and _is_exact(entry) else None
+            self._versions[p] = p._version
 
     def init_state(self, p: torch.Tensor, group: dict, empty=torch.empty) -> dict:
         """``p``'s state entry, made if it has none: zeros in the layout its size picks
@@ -230,8 +291,6 @@ class CompactAdamW(Optimizer):
         """torch's fused AdamW on the fp32 master (weight + remainder), then split back."""
         entry = self.state[p]
         remainder = entry.get("remainder")
-        if p._base is None and self._versions.get(id(p), p._version) != p._version and remainder is not None:
-            remainder.zero_()  # the weight was replaced: it is the master now
         entry["step"] += 1  # (torch's AdamW counts before its fused kernel)
         grad = p.grad if grad_scale is None else p.grad * grad_scale
         exact_update(p.view(-1), None if remainder is None else remainder.view(-1), grad.reshape(-1),
@@ -247,8 +306,6 @@ class CompactAdamW(Optimizer):
             exp_avg_sq=entry["exp_avg_sq"].view(-1), exp_avg_sq_absmax=entry["exp_avg_sq_absmax"].view(-1),
             step=int(entry["step"].item()),
         )
-        if p._base is None and self._versions.get(id(p), p._version) != p._version:
-            state.reset_master()  # the weight was replaced: it is the master now
         return state
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -284,11 +341,7 @@ class CompactAdamW(Optimizer):
             group.update(hyper, params=params)
             if names is not None and "param_names" not in hyper:  # as torch keeps them
                 group["param_names"] = names
-        # Loaded remainders belong to the weights as they are now (saved together).
-        self._versions = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                self._remember_version(p)
+        self._loaded_remainders()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -359,6 +412,19 @@ class CompactAdamW(Optimizer):
         hyper.update({k: own[k] for k in self.defaults})
         return hyper
 
+    def _loaded_remainders(self) -> None:
+        """After a load: each remainder saved with a digest waits for its weight (kept at its
+        next update if the weight then has that digest, see _setup_tracking); one without
+        (an older checkpoint, a conversion) belongs to the weight as it is now."""
+        self._versions, self._loaded = {}, {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                entry = self.state.get(p)
+                digest = entry.pop("weight_digest", None) if entry else None
+                if digest is not None:
+                    self._loaded[p] = int(digest)
+                self._remember_version(p)
+
     def check_state_entry(self, where: str, entry: Mapping, param: torch.Tensor, group: dict) -> dict:
         """A checkpoint's state entry for ``param`` (one of this optimizer's tensors), checked
         and copied into new host tensors; load_state_dict, and CPUOffloadOptimizer's, call it
@@ -418,7 +484,7 @@ class CompactAdamW(Optimizer):
 
 # Keys an entry may hold beyond its layout's: key -> (dtype, shape, the layout key it needs
 # beside it). Shape () takes one element in any shape, kept 0-d (as the count is).
-_OPTIONAL_ENTRY_KEYS: dict[str, tuple] = {}
+_OPTIONAL_ENTRY_KEYS: dict[str, tuple] = {"weight_digest": (torch.int64, (), "remainder")}  # (see saved_entry)
 # Float state that cannot be negative: second moments (their square root is taken) and scales.
 _NONNEGATIVE = {"exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax"}
 
@@ -540,6 +606,40 @@ def _from_bnb_entry(where: str, entry: Mapping, param: torch.Tensor, group: dict
     return out
 
 
+_DIGEST_ROW = 256  # 32-bit words per row of weight_digest
+
+
+@torch.no_grad()
+def weight_digest(weight: torch.Tensor) -> int:
+    """A 64-bit digest of ``weight``'s bits, the same on every device: a resumed remainder
+    is kept only for the weight it was saved with (see CompactAdamW._setup_tracking).
+
+    The bytes as 32-bit words in rows of 256 (zero-padded); each row's sum of word times
+    (2 * column + 1) wraps to 32 bits, and the rows' sum of that times (2 * row + 1) to 64
+    bits, plus the element count: any change of one word, and swapping two, change it.
+    One pass; on the host through numpy (torch's integer reductions ran 10x slower)."""
+    flat = weight.detach().reshape(-1)
+    raw = flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+    pad = -raw.numel() % (4 * _DIGEST_ROW)
+    if pad or raw.storage_offset() % 4:  # (whole rows, and words a 32-bit view can read)
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    rows = raw.view(torch.int32).view(-1, _DIGEST_ROW)
+    total = flat.numel()
+    chunk = 1 << 14  # rows at a time: a bounded temporary on a full GPU
+    for start in range(0, rows.shape[0], chunk):
+        block = rows[start:start + chunk]
+        r = torch.arange(start, start + block.shape[0], device=block.device, dtype=torch.int64) * 2 + 1
+        if block.device.type == "cpu" and np is not None:
+            cols = np.arange(1, 2 * _DIGEST_ROW, 2, dtype=np.int32)
+            sums = torch.from_numpy(block.numpy() @ cols).to(torch.int64)  # (wraps at 32 bits)
+        else:
+            cols = torch.arange(1, 2 * _DIGEST_ROW, 2, device=block.device, dtype=torch.int64)
+            sums = (block.to(torch.int64) * cols).sum(1)
+            sums = ((sums + 2 ** 31) & 0xFFFFFFFF) - 2 ** 31  # (the same 32-bit wrap)
+        total += int((sums * r).sum())
+    return (total + 2 ** 63) % 2 ** 64 - 2 ** 63  # (an int64 value: it is saved as a tensor)
+
+
 def exact_update(weight: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor,
                  exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: torch.Tensor, group: dict,
                  found_inf: Optional[torch.Tensor] = None) -> None:
@@ -594,12 +694,20 @@ def _check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
 
 
 def _check_tensor(t: torch.Tensor, what: str) -> None:
-    if t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(
-            f"CompactAdamW updates contiguous bf16 CPU tensors; got a {what} of dtype {t.dtype} "
-            f"on {t.device}. Use it as CPUOffloadOptimizer's optimizer_cls with bf16 parameters "
-            "and master_weights=False (the default): its remainder is the master."
-        )
+    if t.layout != torch.strided:
+        wrong = f"a {t.layout} {what}"
+    elif t.dtype != torch.bfloat16 or t.device.type != "cpu":
+        wrong = f"a {what} of dtype {t.dtype} on {t.device}"
+    elif not t.is_contiguous():
+        wrong = (f"a {what} that is not contiguous (shape {tuple(t.shape)}, strides {t.stride()}: "
+                 "a transposed or sliced view?); pass the tensor that owns the data, or .contiguous()")
+    else:
+        return
+    raise ValueError(
+        f"CompactAdamW updates dense, contiguous bf16 CPU tensors; got {wrong}. Nothing was "
+        "updated. On a GPU, or for other dtypes, use it as CPUOffloadOptimizer's optimizer_cls "
+        "with bf16 parameters and master_weights=False (the default): its remainder is the master."
+    )
 
 
 def to_adamw_state_dict(state_dict: dict, params: list) -> tuple[dict, list]:

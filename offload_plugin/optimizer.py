@@ -941,8 +941,10 @@ class CPUOffloadOptimizer(Optimizer):
     def _adopt_changed_weights(self) -> None:
         """Take over weights changed outside the optimizer since its host copies last
         matched them (see weight_sync): before a step's first update reads a master. (The
-        streamed update reads no master: the device weights are what it updates.)"""
+        streamed update reads no master: the device weights are what it updates; only
+        CompactAdamW's remainders there follow the writes.)"""
         if self._streamed is not None:
+            self._streamed.weights_written()
             return
         for slot in changed_slots(self._slots):
             adopt_weight(slot)

@@ -367,7 +367,7 @@ class StreamedUpdate:
         settle(): read the step counts and moments from it anew."""
         self._device_steps, self._step_views, self._steps_moved = None, [], False
         self._plans.clear()
-        # (remainders loaded now belong to the weights as they are now, as CompactAdamW's)
+        # (a loaded remainder: CompactAdamW decides at its next update, see before_update)
         self._versions = {s.order: s.param._version for s in self._opt._slots}
 
     def _take_verdict(self, counted: bool = False) -> None:
@@ -539,9 +539,10 @@ class StreamedUpdate:
         """Each compact unit's kernel scalars for this step; before that, the remainder of
         a weight changed outside the optimizer since our last update is dropped: the
         weight is the master now (the parameter is the truth)."""
-        changed = [s for s in plan.slots if self._versions.get(s.order, s.param._version) != s.param._version]
-        if changed:
-            self._drop_remainders(changed)
+        self.weights_written(plan.slots)
+        host_opt = self._opt._host_optimizer
+        for slot in plan.slots:  # (a remainder loaded with its weight's digest: checked now)
+            host_opt.before_update(slot.master, slot.param)
         groups = self._opt.param_groups  # (schedulers write ours; the host optimizer's lag)
         counts, made, rows = self._host_counts, {}, []
         for unit in plan.units:  # (a row per group and count: the units of a step share them)
@@ -554,11 +555,22 @@ class StreamedUpdate:
             rows.append(made[key])
         return rows
 
+    def weights_written(self, slots: Optional[list[HostSlot]] = None) -> None:
+        """Compact state: the remainders of weights written outside the optimizer since our
+        last update (their version counters moved) are dropped, or kept by a resume's digest
+        (CompactAdamW.weight_replaced): before an update, or a state dict, reads them."""
+        if not self._compact:
+            return
+        slots = self._opt._slots if slots is None else slots
+        changed = [s for s in slots if self._versions.get(s.order, s.param._version) != s.param._version]
+        if changed:
+            self._drop_remainders(changed)
+
     def _drop_remainders(self, slots: list[HostSlot]) -> None:
         """The weights of ``slots`` are new: each master restarts from its weight."""
         self.settle()  # (no copy into the host state in flight)
         for slot in slots:
-            self._opt._host_optimizer.weight_replaced(slot.master)
+            self._opt._host_optimizer.weight_replaced(slot.master, slot.param)
             self._versions[slot.order] = slot.param._version
 
     # ------------------------------------------------------------------ bookkeeping

@@ -78,9 +78,11 @@ def adopt_weight(slot: HostSlot) -> bool:
     slot.mark = weight_mark(slot.param)
     if host.dtype != slot.master.dtype and bits_equal(slot.master.to(host.dtype), host):
         return False  # the weight is still the rounded master: keep the master's extra bits
-    if host.dtype == slot.master.dtype and bits_equal(slot.master, host):
-        return False  # the same bits written again: keep what the host optimizer derived
-    slot.master.copy_(host)
+    same = host.dtype == slot.master.dtype and bits_equal(slot.master, host)
+    if not same:
+        slot.master.copy_(host)
     if slot.on_replaced is not None:
+        # Written, the same bits or not: CompactAdamW's master restarts from the weight, as
+        # where it cannot compare (its weight is the master's upper half: CompactAdamW._setup_tracking).
         slot.on_replaced(slot.master)
-    return True
+    return not same  # (the same bits: the host optimizer keeps what it derived)

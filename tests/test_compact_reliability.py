@@ -1,0 +1,172 @@
+"""CompactAdamW held to the exact mode's standard: a refused step changes nothing, copies
+work, and a remainder follows one rule on every path (used directly, offloaded with the host
+update, streamed): a weight written outside the optimizer restarts its master from the
+written weight, except on a resume, where the saved remainder is kept for the weight it was
+saved with, whichever of model and optimizer is loaded first."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from offload_plugin import CompactAdamW, CPUOffloadOptimizer, streamed
+
+KW = dict(lr=2e-3, weight_decay=0.1)
+PATHS = ["direct", "host", "streamed"]
+
+
+def make_model(seed=0) -> nn.Module:
+    """bf16 layers above and below min_8bit_size (4096 elements): compact and exact state."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 4)).to(torch.bfloat16)
+
+
+def build(model, path, monkeypatch):
+    if path == "direct":
+        return CompactAdamW(list(model.parameters()), **KW)
+    monkeypatch.setattr(streamed, "_ON_CPU", path == "streamed")
+    return CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **KW)
+
+
+def run(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 64, generator=g).to(torch.bfloat16)
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def weights(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_bitwise(a, b):
+    for x, y in zip(a, b):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+
+
+def test_a_refused_step_changes_nothing():
+    """A parameter the update cannot take (fp32, a sparse gradient) after one it can: the
+    step raises before the first is updated or given state."""
+    a = torch.randn(8192, dtype=torch.bfloat16, requires_grad=True)
+    for bad in (torch.randn(64, requires_grad=True), torch.randn(64, dtype=torch.bfloat16, requires_grad=True)):
+        opt = CompactAdamW([a, bad])
+        a.grad = torch.randn_like(a)
+        bad.grad = torch.randn_like(bad)
+        if bad.dtype == torch.bfloat16:
+            bad.grad = bad.grad.to_sparse()
+        before = a.detach().clone()
+        with pytest.raises(ValueError, match="Nothing was updated"):
+            opt.step()
+        assert torch.equal(a.detach(), before) and len(opt.state) == 0
+
+
+def test_a_non_contiguous_parameter_is_refused_saying_so():
+    w = torch.randn(64, 64, dtype=torch.bfloat16).t().requires_grad_()
+    opt = CompactAdamW([w])
+    w.grad = torch.randn(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="not contiguous"):
+        opt.step()
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_step_as_the_original_does(how):
+    """A deep copy or pickle round trip of a trained CompactAdamW (with its model) goes on
+    with the same bits as the original."""
+    model = make_model()
+    opt = CompactAdamW(list(model.parameters()), **KW)
+    run(model, opt, 3)
+    if how == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        model2, opt2 = pickle.loads(pickle.dumps((model, opt)))
+    run(model, opt, 3, start=3)
+    run(model2, opt2, 3, start=3)
+    assert_bitwise(weights(model), weights(model2))
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("order", ["model first", "optimizer first"])
+def test_resume_is_bitwise_in_either_load_order(path, order, monkeypatch):
+    """Save after 3 steps, run 3 more; a fresh model and optimizer loaded from the save, in
+    either order, give the same bits."""
+    model = make_model()
+    opt = build(model, path, monkeypatch)
+    run(model, opt, 3)
+    msd, osd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    run(model, opt, 3, start=3)
+
+    model2 = make_model(seed=1)
+    opt2 = build(model2, path, monkeypatch)
+    if order == "model first":
+        model2.load_state_dict(msd)
+        opt2.load_state_dict(osd)
+    else:
+        opt2.load_state_dict(osd)
+        model2.load_state_dict(msd)
+    run(model2, opt2, 3, start=3)
+    assert_bitwise(weights(model), weights(model2))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_loaded_state_over_other_weights_restarts_their_masters(path, monkeypatch):
+    """Optimizer state loaded where the model holds other weights (zeros, as LoRA's B): the
+    saved remainders are not attached to them (a negative remainder on a zero weight would
+    make a NaN master); the masters restart from the weights, as after any other write."""
+    model = make_model()
+    opt = build(model, path, monkeypatch)
+    run(model, opt, 3)
+    osd = copy.deepcopy(opt.state_dict())
+
+    def fresh(load):
+        m = make_model(seed=1)
+        with torch.no_grad():
+            m[0].weight.zero_()
+        o = build(m, path, monkeypatch)
+        load(o)
+        run(m, o, 2, start=3)
+        return m
+
+    loaded = fresh(lambda o: o.load_state_dict(osd))
+    no_remainders = copy.deepcopy(osd)
+    for entry in no_remainders["state"].values():
+        entry["remainder"].zero_()
+        del entry["weight_digest"]
+    assert_bitwise(weights(loaded), weights(fresh(lambda o: o.load_state_dict(no_remainders))))
+    assert not any(bool(p.isnan().any()) for p in loaded.parameters())
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_same_value_write_follows_one_rule_on_every_path(path, monkeypatch):
+    """``p.copy_(p.clone())`` between steps counts as a write on every path: the master
+    restarts from the weight (the same bits as zeroing the remainder by hand)."""
+    def trained(write):
+        model = make_model()
+        opt = build(model, path, monkeypatch)
+        run(model, opt, 3)
+        write(model, opt)
+        run(model, opt, 3, start=3)
+        return weights(model)
+
+    def rewrite(model, opt):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.clone())
+
+    def zero_remainders(model, opt):
+        for p in model.parameters():
+            opt.state[p]["remainder"].zero_()
+
+    rewritten = trained(rewrite)
+    assert_bitwise(rewritten, trained(zero_remainders))
+    if path != "direct":
+        monkeypatch.undo()
+        direct = make_model()
+        direct_opt = CompactAdamW(list(direct.parameters()), **KW)
+        run(direct, direct_opt, 3)
+        rewrite(direct, direct_opt)
+        run(direct, direct_opt, 3, start=3)
+        assert_bitwise(rewritten, weights(direct))
