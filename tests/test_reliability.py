@@ -340,7 +340,7 @@ def test_host_memory_preflight_refuses_before_allocating(monkeypatch):
     message = str(info.value)
     needed = host_memory.bytes_needed(trainable(model), True, 2)  # (AdamW: two moments)
     assert f"needs about {needed / 1024:.1f} KiB" in message and "1,188 trainable elements" in message
-    assert "may use only 1000 bytes more" in message  # (small sizes in small units, not "0.0 GiB")
+    assert "may use only 1.0 KiB more" in message  # (1000 bytes: small sizes in small units, not "0.0 GiB")
     assert "cgroup limit in test" in message and "master_weights=False" in message
     assert allocations == []
     monkeypatch.undo()
