@@ -680,6 +680,11 @@ def _check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
     if not (isinstance(step, torch.Tensor) and step.numel() == 1):
         raise ValueError(f"{where}: 'step' is {step!r:.40}; it must be a one-element tensor. "
                          "Put back the full entry, or `del optimizer.state[p]` to restart its state.")
+    count = float(step)
+    if not (math.isfinite(count) and count >= 0 and (_is_exact(entry) or count == int(count))):
+        # (the compact update counts whole steps: a fraction would be cut off silently)
+        raise ValueError(f"{where}: 'step' is {count!r}; it must be a finite count >= 0"
+                         + ("" if _is_exact(entry) else ", a whole number in the compact layout") + ".")
     for key, (dtype, numel) in want.items():
         value = entry.get(key)
         if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.numel() == numel

@@ -226,3 +226,18 @@ def test_gpu_streamed_compact_resume_is_bitwise_in_either_load_order(order):
     trained_on_gpu(model, opt, 6, 2)
     trained_on_gpu(model2, opt2, 6, 2)
     assert_bitwise(weights(model), weights(model2))
+
+
+@pytest.mark.parametrize("count", [2.5, -1.0, float("nan")])
+def test_a_step_count_the_update_cannot_use_is_refused(count):
+    """A compact entry's count edited by hand to a fraction (the update counts whole steps
+    and would cut it off), a negative number or NaN: the step raises, changing nothing."""
+    p = torch.randn(8192, dtype=torch.bfloat16, requires_grad=True)
+    opt = CompactAdamW([p])
+    p.grad = torch.randn_like(p)
+    opt.step()
+    opt.state[p]["step"].fill_(count)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="'step'"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
