@@ -503,9 +503,10 @@ class CPUOffloadOptimizer(Optimizer):
 
     def _warn_unfrozen(self) -> None:
         """A parameter dropped as frozen (requires_grad=False when this optimizer was built)
-        that has a gradient now is not updated, where torch's optimizers would update it:
-        say so once."""
-        unfrozen = sum(1 for ref in self._frozen if (t := ref()) is not None and t.grad is not None)
+        that has a gradient now, and was not added since (add_param_group), is not updated,
+        where torch's optimizers would update it: say so once."""
+        unfrozen = sum(1 for ref in self._frozen
+                       if (t := ref()) is not None and t.grad is not None and not self._holds(t))
         if unfrozen:
             self._frozen = []  # (once)
             warnings.warn(

@@ -80,3 +80,27 @@ def test_a_parameter_unfrozen_after_building_is_reported_once():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()  # (once)
+
+
+def test_a_parameter_unfrozen_and_added_is_updated_without_a_warning():
+    """Unfreezing a layer and adding it with add_param_group (the documented fix) updates it
+    as torch's AdamW does, and says nothing."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 4)
+    ref = torch.nn.Linear(4, 4)
+    ref.load_state_dict(lin.state_dict())
+    for m in (lin, ref):
+        m.bias.requires_grad_(False)
+    opt = CPUOffloadOptimizer(lin.parameters(), lr=1e-2)
+    torch_opt = torch.optim.AdamW([ref.weight], lr=1e-2, fused=True)
+    for m, o in ((lin, opt), (ref, torch_opt)):
+        m.bias.requires_grad_(True)
+        o.add_param_group({"params": [m.bias]})
+    x = torch.randn(2, 4)
+    for m in (lin, ref):
+        m(x).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    torch_opt.step()
+    assert torch.equal(lin.bias.detach(), ref.bias.detach()) and torch.equal(lin.weight.detach(), ref.weight.detach())

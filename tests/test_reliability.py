@@ -2,6 +2,7 @@
 
 import copy
 import logging
+import re
 import time
 import traceback
 import weakref
@@ -340,7 +341,8 @@ def test_host_memory_preflight_refuses_before_allocating(monkeypatch):
     message = str(info.value)
     needed = host_memory.bytes_needed(trainable(model), True, 2)  # (AdamW: two moments)
     assert f"needs about {needed / 1024:.1f} KiB" in message and "1,188 trainable elements" in message
-    assert "may use only 1.0 KiB more" in message  # (1000 bytes: small sizes in small units, not "0.0 GiB")
+    # (1000 bytes, less what other optimizers of this process promised: small sizes in small units)
+    assert re.search(r"may use only (1\.0 KiB|\d+ bytes) more", message), message
     assert "cgroup limit in test" in message and "master_weights=False" in message
     assert allocations == []
     monkeypatch.undo()
