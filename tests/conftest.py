@@ -19,3 +19,12 @@ def _host_thread_on_cpu(monkeypatch):
 def cpu_inline(monkeypatch):
     """Parameters on the CPU update in the calling thread, as outside the tests."""
     monkeypatch.setattr(process, "_INLINE_ON_CPU", True)
+
+
+def pytest_collection_modifyitems(items):
+    """The ``gpu`` marker on every test named for the GPU (``-k "cuda or gpu"``, the
+    selection .ci/gpu-checks runs), so that ``-m gpu`` and ``-m "not gpu"`` select the same."""
+    for item in items:
+        name = item.nodeid.lower()  # (file, test and parameter names, as -k reads them)
+        if "gpu" in name or "cuda" in name:
+            item.add_marker(pytest.mark.gpu)

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # (starts processes: left out of the quick lane, pytest -m "not slow")
+
 REPO = Path(__file__).resolve().parents[1]
 OPTIMIZERS = ["gpu_adamw", "no_update", "offload", "offload_grads", "offload_grads_delayed"]
 

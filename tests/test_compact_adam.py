@@ -444,6 +444,7 @@ def _quality():
     return mod
 
 
+@pytest.mark.slow  # (trains to compare losses: left out of the quick lane)
 def test_training_quality_matches_exact_adamw_and_bitsandbytes():
     """The demo tiny Llama on a generated bigram task (bench/compact_quality.py), two seeds:
     the compact state's final loss is within 1% of exact AdamW's (fp32 master and moments),

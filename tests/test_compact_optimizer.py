@@ -283,6 +283,7 @@ def test_refusals_say_what_to_do():
         opt.step()
 
 
+@pytest.mark.slow  # (runs a recipe: left out of the quick lane)
 def test_torchtune_stock_full_recipe_trains_with_compact_state(tmp_path):
     """torchtune's own full_finetune_single_device (optimizer_in_bwd, the stock configs'
     setting: one optimizer per parameter) on the bf16 demo model, with only the optimizer

@@ -19,6 +19,8 @@ import torch
 from torchtune import training
 from torchtune.training import FullModelTorchTuneCheckpointer
 
+pytestmark = pytest.mark.slow  # (starts processes: left out of the quick lane, pytest -m "not slow")
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 4  # optimizer steps per epoch
 EPOCHS = 3

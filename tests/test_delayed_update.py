@@ -195,6 +195,7 @@ def test_scale_given_twice_is_refused():
         opt.scale_grads(0.5)
 
 
+@pytest.mark.slow  # (starts a process: left out of the quick lane)
 def test_process_exits_cleanly_with_an_update_pending():
     """Exit while the background update may still run: the worker is joined, no abort at exit."""
     import subprocess

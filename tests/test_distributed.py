@@ -30,6 +30,8 @@ from torchtune.config._utils import _get_component_from_path
 
 from disk_log import read_log
 
+pytestmark = pytest.mark.slow  # (starts processes: left out of the quick lane, pytest -m "not slow")
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIGS = REPO / "configs" / "demo"
 STEPS = 4  # optimizer steps per epoch; two epochs per run

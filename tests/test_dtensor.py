@@ -46,7 +46,8 @@ from offload_plugin import CPUOffloadOptimizer
 
 WORLD = 2
 LR, WD = 1e-2, 0.01
-pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+pytestmark = [pytest.mark.skipif(not dist.is_gloo_available(), reason="needs torch.distributed with gloo"),
+              pytest.mark.slow]  # (starts processes: left out of the quick lane)
 DEVICES = [
     pytest.param("cpu", id="cpu"),
     pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(

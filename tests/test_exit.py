@@ -20,6 +20,8 @@ import textwrap
 import pytest
 import torch.distributed as dist
 
+pytestmark = pytest.mark.slow  # (starts processes: left out of the quick lane, pytest -m "not slow")
+
 _TRAIN = textwrap.dedent(
     """
     import sys

@@ -457,6 +457,7 @@ _NO_CRASH = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # (starts a process: left out of the quick lane)
 def test_malformed_checkpoints_never_crash_a_fresh_process():
     """Before the checks, these aborted the process (malloc_consolidate, munmap_chunk) or
     segfaulted in the next fused step. A fresh interpreter: heap damage would show there."""

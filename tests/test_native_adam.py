@@ -37,6 +37,7 @@ def test_kernel_is_built_verified_and_used_here():
 
 
 @needs_compiler
+@pytest.mark.slow  # (builds and verifies a kernel anew: left out of the quick lane)
 def test_a_dtype_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch, caplog):
     """If the bf16 variant differed from torch here, only fp32 masters would use the kernel."""
     check = native_adam._matches_torch
@@ -150,6 +151,7 @@ def test_refuses_tensors_it_cannot_update():
 
 
 @needs_compiler
+@pytest.mark.slow  # (builds and verifies a kernel anew: left out of the quick lane)
 def test_builds_when_home_is_not_writable(fresh_kernel_state, monkeypatch, tmp_path):
     """No writable ~/.cache (read-only homes in containers): the kernel builds in a temp folder."""
     monkeypatch.delenv("OFFLOAD_PLUGIN_CACHE")
@@ -246,6 +248,7 @@ def test_module_add_without_the_kernel_is_torch(fresh_kernel_state, monkeypatch)
 
 
 @needs_compiler
+@pytest.mark.slow  # (builds and verifies a kernel anew: left out of the quick lane)
 def test_add_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch, caplog):
     """A mismatching add leaves the Adam update in use, and add_ on torch's kernel."""
     monkeypatch.setattr(native_adam, "_add_matches_torch", lambda k: "forced add mismatch")
@@ -262,6 +265,7 @@ def test_add_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch
 
 
 @needs_compiler
+@pytest.mark.slow  # (builds and verifies a kernel anew: left out of the quick lane)
 def test_add_alone_can_be_verified(fresh_kernel_state, monkeypatch):
     """The kernel is still returned for add_ when no Adam dtype matched."""
     monkeypatch.setattr(native_adam, "_matches_torch", lambda k, dtype: "forced mismatch")
@@ -337,6 +341,7 @@ def test_all_finite_without_the_kernel_is_torch(fresh_kernel_state, monkeypatch)
 
 
 @needs_compiler
+@pytest.mark.slow  # (builds and verifies a kernel anew: left out of the quick lane)
 def test_check_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch):
     monkeypatch.setattr(native_adam, "_check_matches_torch", lambda k: "forced check mismatch")
     kernel = native_adam.kernel()
@@ -438,6 +443,7 @@ def test_back_to_back_parameters_update_in_one_call_bitwise_torch_fused(master_w
 
 
 @needs_compiler
+@pytest.mark.slow  # (builds and verifies a kernel anew: left out of the quick lane)
 def test_step_many_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch):
     monkeypatch.setattr(native_adam, "_many_matches_step", lambda k: "forced mismatch")
     kernel = native_adam.kernel()

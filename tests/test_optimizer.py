@@ -699,6 +699,7 @@ print("same" if all(torch.equal(a, b) for a, b in zip(before, after)) else "chan
 """
 
 
+@pytest.mark.slow  # (starts a process: left out of the quick lane)
 def test_the_worker_sets_its_thread_count_while_the_optimizer_is_built():
     """torch.set_num_threads also changes process-wide state, and with it the bits of later
     CPU backward passes on the training thread. The host worker (host_threads other than

@@ -18,6 +18,8 @@ from unittest import mock
 
 import pytest
 
+pytestmark = pytest.mark.slow  # (starts processes: left out of the quick lane, pytest -m "not slow")
+
 REPO = Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()
 # The pages whose commands are checked: the README, then every page under docs/
@@ -287,3 +289,23 @@ def test_python_example_runs():
     """The Python example in the README runs as written."""
     (example,) = _blocks("python")
     exec(compile(example, "README.md", "exec"), {})
+
+
+def _collected(*args):
+    out = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:warnings", *args],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return {line for line in out.splitlines() if "::" in line}
+
+
+def test_quick_lane_and_gpu_marker_select_what_the_readme_says():
+    """`pytest -m "not slow"` (the README's quick lane) leaves out only tests marked slow and
+    still has tests of every test module but those that only start processes; `pytest -m gpu`
+    selects what .ci/gpu-checks runs (`-k "cuda or gpu"`)."""
+    everything, quick, slow = _collected(), _collected("-m", "not slow"), _collected("-m", "slow")
+    assert quick and slow and quick | slow == everything and not quick & slow
+    modules = lambda ids: {i.split("::")[0] for i in ids}
+    assert modules(everything) - modules(quick) <= {
+        f"tests/{m}.py" for m in ("test_recipes", "test_bench_smoke", "test_distributed", "test_crash_safety",
+                                  "test_dtensor", "test_dtensor_changed_weights", "test_readme",
+                                  "test_stock_recipes", "test_exit", "test_packaging")}
+    assert _collected("-m", "gpu") == _collected("-k", "cuda or gpu")

@@ -17,6 +17,8 @@ import torch
 
 from disk_log import read_log
 
+pytestmark = pytest.mark.slow  # (starts processes: left out of the quick lane, pytest -m "not slow")
+
 REPO = Path(__file__).resolve().parents[1]
 DEMO_CONFIGS = REPO / "configs" / "demo"
 STEPS = 15  # optimizer steps per epoch: enough for the loss to fall, a few seconds each run

@@ -113,6 +113,7 @@ _RESUME = textwrap.dedent(
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("offload_gradients", [False, True])
+@pytest.mark.slow  # (starts a process: left out of the quick lane)
 def test_resume_in_new_process_matches_uninterrupted(tmp_path, device, dtype, offload_gradients):
     """Save after 3 steps, load in a new process, 3 more steps: the weights of 6 straight steps.
 

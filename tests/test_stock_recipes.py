@@ -25,6 +25,8 @@ import torch
 
 from disk_log import read_log
 
+pytestmark = pytest.mark.slow  # (starts processes: left out of the quick lane, pytest -m "not slow")
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = Path(__file__).resolve().parent / "assets" / "stock_recipes"
 # The only overrides that differ between the two runs of a test.

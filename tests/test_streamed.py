@@ -288,6 +288,7 @@ def test_replaced_moments_and_mismatched_gradients():
 
 
 @pytest.mark.parametrize("value, enabled", [("0", False), ("1", True), (None, True)])
+@pytest.mark.slow  # (starts a process: left out of the quick lane)
 def test_environment_switches_the_streamed_update_off(value, enabled):
     """OFFLOAD_PLUGIN_STREAMED=0 (what bench/bench_stock.py's host-update run sets for a
     recipe's process) leaves the update on the host; unset or 1, the streamed update runs."""
