@@ -74,7 +74,7 @@ RUNS = {
         "ours_recipe_host": ("ours", ["optimizer_in_bwd=False", "optimizer.offload_gradients=True",
                                       "early_forward=True"]),
         # torchtune's optimizer_in_bwd in our recipe: the streamed update as each gradient lands
-        # (what the 8B config ships since 2026-12-02, session 20).
+        # (what our 8B full config ships).
         "ours_recipe_in_bwd": ("ours", ["optimizer_in_bwd=True", "optimizer.offload_gradients=False",
                                         "early_forward=False", "optimizer.accumulate_on_device=False"]),
         # fp32 master weights (opt-in): 16 bytes per parameter on the host instead of 8.
@@ -103,8 +103,8 @@ RUN_ENV = {"ours_stock_host_update": {"OFFLOAD_PLUGIN_STREAMED": "0"},
            # Under optimizer_in_bwd the hooks wait once this many MiB of gradients wait for
            # the bus (streamed.IN_FLIGHT_BYTES, 1024 by default): a larger bound.
            "ours_stock_in_flight_4g": {"OFFLOAD_PLUGIN_IN_FLIGHT_MIB": "4096"},
-           # Steps queued in backward sent to the GPU in batches of 4 M elements (the default
-           # until session 24) or 128 M instead of 32 M (streamed.FLUSH_NUMEL).
+           # Steps queued in backward sent to the GPU in batches of 4 M elements (an earlier
+           # default) or 128 M instead of 32 M (streamed.FLUSH_NUMEL).
            "ours_stock_flush_4m": {"OFFLOAD_PLUGIN_FLUSH_NUMEL": str(1 << 22)},
            "ours_stock_flush_128m": {"OFFLOAD_PLUGIN_FLUSH_NUMEL": str(1 << 27)}}
 LAUNCH = (  # tune in this process, so that its peak RSS is the recipe's
