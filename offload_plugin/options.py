@@ -1,8 +1,16 @@
-"""CPUOffloadOptimizer's options: checked once, at construction, with the fix in each message.
+"""CPUOffloadOptimizer's options: each checked alone at construction, with the fix in each
+message, and the table of how they combine (``COMBINATIONS``).
 
-Every option that does not combine with another is refused here, when it is asked for;
-nothing is silently ignored later. What the step does with the options is decided in one
-place, ``schedules.choose``.
+``COMBINATIONS`` is the one place that says which combinations of options, parameters and
+calls are refused (and what to do instead), and which update engine runs the others: the
+*streamed* engine (``offload_plugin.streamed``: the state in host memory, updated on the
+GPU) or the *host* engine (``optimizer_cls.step`` on host copies; its step schedules are
+chosen in ``offload_plugin.schedules``). The functions below apply it where each rule can be
+judged: :class:`Options` at construction, :func:`check_device_share` and
+:func:`check_host_only` for each parameter group, :func:`engine_for` to choose a group's
+engine, :func:`check_overlap` in ``overlap_next_step()`` and :func:`check_amp_scaler` in
+``step()``. docs/options.md's table of combinations is :func:`combinations_markdown`'s
+output (tests/test_options_table.py compares them).
 """
 
 from __future__ import annotations
@@ -11,14 +19,21 @@ import dataclasses
 import difflib
 import importlib
 import inspect
-from typing import Optional, Union
+import re
+from types import SimpleNamespace
+from typing import Callable, Optional, Union
 
 import torch
 from torch.optim import Optimizer
 
+from offload_plugin.distributed import DTensor
 from offload_plugin.grad_checks import NONFINITE_POLICIES
 
-__all__ = ["Options", "OWN_OPTIONS", "resolve_optimizer_cls", "check_trainable"]
+__all__ = [
+    "Options", "OWN_OPTIONS", "resolve_optimizer_cls", "check_trainable", "Rule", "COMBINATIONS",
+    "check_device_share", "check_host_only", "engine_for", "check_overlap", "check_amp_scaler",
+    "combinations_markdown",
+]
 
 # Optimizers whose step is not a per-parameter update that can run on host copies.
 _UNSUPPORTED = {
@@ -71,25 +86,18 @@ class Options:
             raise ValueError(
                 f"nonfinite_grads must be one of {NONFINITE_POLICIES}, got {self.nonfinite_grads!r}"
             )
-        if self.accumulate_on_device and not self.offload_gradients:
-            raise ValueError(
-                "accumulate_on_device=True only applies with offload_gradients=True (without "
-                "it, gradients stay on the device anyway)."
-            )
         if not (isinstance(self.device_fraction, (int, float)) and 0 <= self.device_fraction < 1):
             raise ValueError(
                 f"device_fraction must be in [0, 1), got {self.device_fraction!r}; to keep the "
                 "whole optimizer on the device, use optimizer_cls directly."
             )
-        if self.device_fraction and getattr(self.optimizer_cls, "bf16_host_only", False):
-            raise ValueError(
-                f"optimizer_cls={self.optimizer_cls.__name__} updates host tensors only; it "
-                "does not combine with device_fraction. Use device_fraction=0."
-            )
         host_threads = self.host_threads
         if host_threads is not None and (
                 not isinstance(host_threads, int) or isinstance(host_threads, bool) or host_threads < 1):
             raise ValueError(f"host_threads must be a positive int or None, got {host_threads!r}")
+        _apply("Options", accumulate_on_device=self.accumulate_on_device,
+               offload_gradients=self.offload_gradients, device_fraction=self.device_fraction,
+               host_only=_host_only(self.optimizer_cls), cls=self.optimizer_cls.__name__)
         self.offload_gradients, self.master_weights = bool(self.offload_gradients), bool(self.master_weights)
         self.delayed_update = bool(self.delayed_update)
         self.accumulate_on_device = bool(self.accumulate_on_device)
@@ -177,3 +185,217 @@ def check_trainable(params: list[torch.Tensor]) -> None:
                 "model first (model.to_empty(device=...) and load or initialize its weights), "
                 "then build the optimizer."
             )
+
+
+# ------------------------------------------------------------------ combinations
+
+REFUSED, HOST, STREAMED = "refused", "host", "streamed"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One row of :data:`COMBINATIONS`."""
+
+    check: str  # the function that applies the row (so also when: see _WHEN)
+    combination: str  # what is combined, as docs/options.md shows it (markdown)
+    update: str  # REFUSED (raises ValueError), or the engine that runs: HOST or STREAMED
+    when: Callable[[SimpleNamespace], bool]  # on the facts that ``check`` gathers
+    text: str  # REFUSED: the error, saying what to do ({name}: a fact); else why this engine
+
+
+# When each check runs (the docs' "checked" column).
+_WHEN = {
+    "Options": "construction",
+    "check_device_share": "each param group",
+    "check_host_only": "each param group",
+    "engine_for": "each param group",
+    "check_overlap": "`overlap_next_step()`",
+    "check_amp_scaler": "`step()`",
+}
+
+# Every rule about how options, parameters and calls combine. Each check reads its own rows
+# in order; the first row whose condition holds decides (engine_for falls through to the
+# streamed engine only at its last row). The comments say why a rule exists.
+COMBINATIONS: tuple[Rule, ...] = (
+    # Without offload_gradients the gradients stay on the device anyway: nothing to accumulate
+    # there instead of on the host.
+    Rule("Options", "`accumulate_on_device` without `offload_gradients`", REFUSED,
+         lambda f: f.accumulate_on_device and not f.offload_gradients,
+         "accumulate_on_device=True only applies with offload_gradients=True (without "
+         "it, gradients stay on the device anyway)."),
+    # CompactAdamW (bf16_host_only) has no device implementation for the kept share to run.
+    Rule("Options", "`device_fraction` with `CompactAdamW`", REFUSED,
+         lambda f: f.device_fraction and f.host_only,
+         "optimizer_cls={cls} updates host tensors only; it "
+         "does not combine with device_fraction. Use device_fraction=0."),
+    # The device share keeps whole tensors in an ordinary optimizer on their device; a
+    # DTensor's state would have to be sharded there too, which is not built.
+    Rule("check_device_share", "`device_fraction` with FSDP2 (DTensor) parameters", REFUSED,
+         lambda f: f.dtensor_kept,
+         "device_fraction is not supported with DTensor (FSDP2) parameters yet; "
+         "use device_fraction=0."),
+    # CompactAdamW keeps one fp32 scale per block of a row: a shard must hold whole rows.
+    Rule("check_host_only", "`CompactAdamW` with DTensor parameters sharded other than by rows",
+         REFUSED, lambda f: f.host_only and f.placements is not None,
+         "a parameter is sharded as {placements}: state kept per row (CompactAdamW's "
+         "block scales) needs parameters sharded along dim 0 only, as FSDP2's fully_shard "
+         "shards them."),
+    # CompactAdamW's master is the bf16 weight plus its own 16-bit remainder.
+    Rule("check_host_only", "`CompactAdamW` with parameters not bf16, or `master_weights`",
+         REFUSED, lambda f: f.host_only and (f.master_weights or set(f.dtypes) - {"torch.bfloat16"}),
+         "optimizer_cls={cls} updates bf16 host copies and keeps the master itself: it "
+         "needs bf16 parameters (got {dtypes_list}) and master_weights=False (the "
+         "default; got {master_weights}). Convert the model with "
+         "model.to(torch.bfloat16) (torchtune: dtype=bf16)."),
+    # Only the offload_gradients backward hooks bring the gradients to the host early.
+    Rule("check_overlap", "`overlap_next_step()` without `offload_gradients`", REFUSED,
+         lambda f: not f.offload_gradients,
+         "overlap_next_step() needs CPUOffloadOptimizer(offload_gradients=True)."),
+    # delayed_update's step() returns at once anyway: early_forward would add nothing.
+    Rule("check_overlap", "`overlap_next_step(early_forward=True)` with `delayed_update`",
+         REFUSED, lambda f: f.early_forward and f.delayed_update,
+         "overlap_next_step(early_forward=True) does not combine with delayed_update=True, "
+         "whose step() returns at once anyway; pass early_forward=False (`early_forward: "
+         "False` in our recipes)."),
+    # Each rank's next forward would wait on weights that the other ranks' updates gate,
+    # unseen by this rank's hooks.
+    Rule("check_overlap", "`overlap_next_step(early_forward=True)` with FSDP2 (DTensor) "
+         "parameters", REFUSED, lambda f: f.early_forward and f.sharded,
+         "overlap_next_step(early_forward=True) is not supported with DTensor (FSDP2) "
+         "parameters; pass early_forward=False (`early_forward: False` in our recipes)."),
+    # GradScaler checks and unscales the gradients on the model, where offloaded ones are not.
+    Rule("check_amp_scaler", "torch.amp `GradScaler` with `offload_gradients`", REFUSED,
+         lambda f: f.grad_scale is not None and f.offload_gradients,
+         "torch.amp.GradScaler with offload_gradients=True: the gradients are moved to "
+         "host memory during backward, where GradScaler cannot check or unscale them. "
+         "Use offload_gradients=False with GradScaler, or train in bf16 without a "
+         "scaler (as torchtune does). Nothing was updated."),
+    # The compact kernel takes no scale to divide by (bf16 needs no loss scaling).
+    Rule("check_amp_scaler", "torch.amp `GradScaler` with `CompactAdamW` on the streamed engine",
+         REFUSED, lambda f: f.grad_scale is not None and f.compact and f.engine == STREAMED,
+         "CPUOffloadOptimizer: CompactAdamW's streamed update takes no GradScaler scale "
+         "(its parameters are bf16, which needs no loss scaling): leave the GradScaler "
+         "out, or unscale the gradients with scaler.unscale_(optimizer) first. Nothing "
+         "was updated."),
+    # The engines: the first row that holds decides. The streamed engine is torch's fused
+    # AdamW kernel (or CompactAdamW's) on the GPU over the parameters and their gradients
+    # where backward left them, with only the optimizer state in host memory.
+    Rule("engine_for", "`OFFLOAD_PLUGIN_STREAMED=0` in the environment", HOST,
+         lambda f: not f.streaming_on, "asked for (to compare the two engines)"),
+    Rule("engine_for", "a group without parameters for the engines (all frozen, or kept on "
+         "the device)", STREAMED, lambda f: f.empty,
+         "nothing to update: the other groups decide"),
+    Rule("engine_for", "parameters not on a CUDA device", HOST,
+         lambda f: not f.device_streams, "the streamed engine runs its kernel on a GPU"),
+    Rule("engine_for", "`offload_gradients`", HOST, lambda f: f.offload_gradients,
+         "the gradients are in host memory; the streamed engine reads them on the GPU"),
+    Rule("engine_for", "`master_weights`", HOST, lambda f: f.master_weights,
+         "the fp32 masters are host copies; the streamed engine keeps none"),
+    Rule("engine_for", "`delayed_update`", HOST, lambda f: f.delayed_update,
+         "the update runs during the next step, on host copies of weights and gradients"),
+    Rule("engine_for", "`device_fraction` keeping parameters on the device", HOST,
+         lambda f: f.kept_on_device,
+         "it shortens the host update's tail, which the streamed engine does not have"),
+    Rule("engine_for", "`CompactAdamW` where its kernel cannot run (no Triton)", HOST,
+         lambda f: f.compact and not f.compact_streams,
+         "the compact GPU kernel is a Triton kernel"),
+    Rule("engine_for", "`CompactAdamW` with a parameter not a plain contiguous bf16 tensor",
+         HOST, lambda f: f.compact and not (f.plain and set(f.dtypes) <= {"torch.bfloat16"}),
+         "the compact kernel updates whole, contiguous local bf16 tensors"),
+    Rule("engine_for", "an `optimizer_cls` other than Adam, AdamW or `CompactAdamW`", HOST,
+         lambda f: not f.compact and (f.host_only or not f.adam),
+         "torch has a fused GPU kernel for Adam(W) only"),
+    Rule("engine_for", "Adam(W) without `fused` (the default sets it), or with `amsgrad`, "
+         "`capturable` or `differentiable`", HOST,
+         lambda f: not f.compact and not (f.settings.get("fused") and not f.settings.get("amsgrad")
+                                          and not f.settings.get("capturable")
+                                          and not f.settings.get("differentiable")),
+         "the streamed engine runs torch's fused kernel, and only its plain form"),
+    Rule("engine_for", "Adam(W) with a parameter not a plain contiguous fp32, bf16 or fp16 "
+         "tensor (DTensor, NF4, fp64, ...)", HOST,
+         lambda f: not f.compact and not (f.plain and set(f.dtypes) <= _ADAM_DTYPES),
+         "the fused kernel updates whole, contiguous local tensors of these dtypes"),
+    Rule("engine_for", "any other combination (Adam or AdamW, or `CompactAdamW`, on a GPU)",
+         STREAMED, lambda f: True,
+         "the state passes through the GPU, 8 bytes per parameter each step, and no host "
+         "core works; Adam(W) is bit for bit torch's `AdamW(fused=True)` there"),
+)
+
+_ADAM_DTYPES = {"torch.float32", "torch.bfloat16", "torch.float16"}
+
+
+def _host_only(optimizer_cls: type) -> bool:
+    return bool(getattr(optimizer_cls, "bf16_host_only", False))  # (CompactAdamW)
+
+
+def _apply(check: str, **facts) -> Optional[Rule]:
+    """The first of ``check``'s rows that holds for ``facts``; ValueError if it refuses."""
+    f = SimpleNamespace(**facts)
+    for rule in COMBINATIONS:
+        if rule.check == check and rule.when(f):
+            if rule.update == REFUSED:
+                raise ValueError(rule.text.format(**facts))
+            return rule
+    return None
+
+
+def check_device_share(params_kept_on_device: list[torch.Tensor]) -> None:
+    """Refuse what the device share (``device_fraction``) cannot keep."""
+    _apply("check_device_share", dtensor_kept=any(isinstance(p, DTensor) for p in params_kept_on_device))
+
+
+def check_host_only(optimizer_cls: type, master_weights: bool, params: list[torch.Tensor]) -> None:
+    """Refuse parameters that a ``bf16_host_only`` class (CompactAdamW) cannot update, before
+    anything is allocated; nothing for other classes."""
+    placements = next((tuple(p.placements) for p in params if isinstance(p, DTensor)
+                       and any(q.is_shard() and q.dim != 0 for q in p.placements)), None)
+    dtypes = sorted({str(p.dtype) for p in params})
+    _apply("check_host_only", host_only=_host_only(optimizer_cls), cls=optimizer_cls.__name__,
+           master_weights=master_weights, placements=placements, dtypes=dtypes,
+           dtypes_list=", ".join(dtypes))
+
+
+def engine_for(options: Options, settings: dict, params: list[torch.Tensor], *, kept_on_device: bool,
+               streaming_on: bool, device_streams: bool, compact_streams: bool) -> str:
+    """``"streamed"`` or ``"host"``: the engine that updates ``params``, a group whose
+    hyperparameters are ``settings`` (the group's, over the optimizer's defaults).
+
+    The device's facts are inputs: ``kept_on_device`` (device_fraction keeps some parameters
+    on the device), ``streaming_on`` (the streamed engine is switched on), ``device_streams``
+    (the parameters are where its kernel runs) and ``compact_streams`` (CompactAdamW's
+    kernel can run there)."""
+    cls = options.optimizer_cls
+    return _apply(
+        "engine_for", streaming_on=streaming_on, empty=not params, device_streams=device_streams,
+        offload_gradients=options.offload_gradients, master_weights=options.master_weights,
+        delayed_update=options.delayed_update, kept_on_device=kept_on_device,
+        compact=bool(getattr(cls, "streams_compact", False)), compact_streams=compact_streams,
+        host_only=_host_only(cls), adam=issubclass(cls, torch.optim.Adam), settings=settings,
+        plain=all((type(p) is torch.nn.Parameter or type(p) is torch.Tensor) and p.is_contiguous()
+                  for p in params),
+        dtypes=sorted({str(p.dtype) for p in params}),
+    ).update
+
+
+def check_overlap(options: Options, *, early_forward: bool, sharded: bool) -> None:
+    """Refuse an ``overlap_next_step(early_forward=...)`` these options cannot run;
+    ``sharded``: the parameters are DTensors (FSDP2)."""
+    _apply("check_overlap", offload_gradients=options.offload_gradients,
+           delayed_update=options.delayed_update, early_forward=early_forward, sharded=sharded)
+
+
+def check_amp_scaler(options: Options, grad_scale: Optional[torch.Tensor], engine: str = HOST) -> None:
+    """Refuse torch.amp.GradScaler's scale (``optimizer.grad_scale``, handed to ``step()``)
+    where the update cannot take it; ``engine``: the one that runs this step."""
+    _apply("check_amp_scaler", grad_scale=grad_scale, offload_gradients=options.offload_gradients,
+           compact=bool(getattr(options.optimizer_cls, "streams_compact", False)), engine=engine)
+
+
+def combinations_markdown() -> str:
+    """docs/options.md's table of combinations, from :data:`COMBINATIONS`."""
+    lines = ["| combination | update | checked | why, or what to do |", "|---|---|---|---|"]
+    for rule in COMBINATIONS:
+        update = "refused (`ValueError`)" if rule.update == REFUSED else rule.update
+        text = re.sub(r"\{\w+\}", "…", rule.text).replace("|", "\\|")
+        lines.append(f"| {rule.combination} | {update} | {_WHEN[rule.check]} | {text} |")
+    return "\n".join(lines) + "\n"
