@@ -183,7 +183,7 @@ def run_single(args, name, rank, world, dev):
         return total
 
     times, losses = [], []
-    busy = lambda: getattr(opt._worker, "busy_s", 0.0) if ours else 0.0  # noqa: E731
+    busy = lambda: getattr(opt.engine.worker, "busy_s", 0.0) if ours else 0.0  # noqa: E731
     for step in range(args.steps):
         if step == args.warmup:
             busy0 = busy()

@@ -113,7 +113,7 @@ class _InBackward:
         self.optimizers = {p: make([p]) for p in model.parameters() if p.requires_grad}
         training.register_optim_in_bwd_hooks(model=model, optim_dict=self.optimizers)
         first = next(iter(self.optimizers.values()))
-        self._worker = getattr(first, "_worker", None)
+        self.engine = getattr(first, "engine", None)
         self.offload_gradients = self.delayed_update = self.overlapping = False
         if hasattr(first, "host_memory_bytes"):
             self.host_memory_bytes = lambda: sum(o.host_memory_bytes() for o in self.optimizers.values())
@@ -419,13 +419,13 @@ def run_single(args, name):
 
         times, losses = [], []
         gc_pauses = _GcPauses()  # Python's collector stops every thread holding the GIL
-        busy = [opt._worker.busy_s] if is_ours else []  # host worker's job seconds so far
-        waited = [opt._worker.waited_s] if is_ours else []  # ...spent waiting for copies
+        busy = [opt.engine.worker.busy_s] if is_ours else []  # host worker's job seconds so far
+        waited = [opt.engine.worker.waited_s] if is_ours else []  # ...spent waiting for copies
         for step in range(args.steps):
             if args.trace and step == args.steps - 2:  # the last two steps
                 marks = []
                 if is_ours:
-                    opt._worker.trace = []
+                    opt.engine.worker.trace = []
             sync(dev)
             t0 = time.perf_counter()
             mark("step")
@@ -442,16 +442,16 @@ def run_single(args, name):
             gc_pauses.end_step()
             losses.append(total.item() / args.tokens_per_step)
             if is_ours:
-                busy.append(opt._worker.busy_s)
-                waited.append(opt._worker.waited_s)
+                busy.append(opt.engine.worker.busy_s)
+                waited.append(opt.engine.worker.waited_s)
             print(f"[{name}] step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
                   file=sys.stderr, flush=True)
         if is_ours:
             opt.finish_step()
         if marks:
-            res["trace"] = _trace_result(marks, opt._worker.trace if is_ours else None)
+            res["trace"] = _trace_result(marks, opt.engine.worker.trace if is_ours else None)
             if is_ours:
-                opt._worker.trace = None
+                opt.engine.worker.trace = None
         gc_pauses.close()
         res["gc_s_per_step"] = gc_pauses.per_step
         timed = times[args.warmup:]

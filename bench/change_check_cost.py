@@ -81,7 +81,7 @@ def run(args, label, **options):
     opt.finish_step()
     steps = len(times) - 1
     check = sum(totals.values()) / steps
-    row = dict(label=label, options=options, tensors=len(opt._slots),
+    row = dict(label=label, options=options, tensors=len(opt.engine.slots),
                step_s=sum(times[1:]) / steps, check_s_per_step=check,
                check_share=check / (sum(times[1:]) / steps))
     print(json.dumps(row))
@@ -105,10 +105,10 @@ def main():
     # 8B's tensor count: 32 layers x 9 tensors + embedding, final norm, output.
     params = [torch.nn.Parameter(torch.zeros(16, device=args.device)) for _ in range(32 * 9 + 3)]
     opt = CPUOffloadOptimizer(params, lr=1e-5)
-    opt._adopt_changed_weights()
+    opt.engine.adopt_changed_weights()
     start = time.perf_counter()
     for _ in range(100):
-        opt._adopt_changed_weights()
+        opt.engine.adopt_changed_weights()
     rows.append(dict(label="one check over 291 tensors (Llama-3.1-8B's count)",
                      check_s=(time.perf_counter() - start) / 100))
     print(json.dumps(rows[-1]))

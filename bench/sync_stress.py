@@ -107,7 +107,7 @@ class HostFusedTwin:
 class Ours:
     def __init__(self, model: nn.Module, **kwargs) -> None:
         self.opt = self.sched_target = CPUOffloadOptimizer(model.parameters(), **kwargs)
-        self.streamed = self.opt._streamed is not None
+        self.streamed = self.opt.engine.streams
 
     def step(self) -> None:
         self.opt.step()

@@ -14,8 +14,8 @@ import dataclasses
 import inspect
 import math
 import numbers
-from collections.abc import Mapping
-from typing import Any, Optional
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Optional
 
 import torch
 from torch.optim import Optimizer
@@ -87,37 +87,39 @@ class LoadPlan:
     masters: dict  # parameter -> its saved master weight, converted
 
 
-def prepare_load(opt, state_dict: Any, torchao_minimal_size: int, allow_nonfinite: bool) -> LoadPlan:
-    """Pre-hooks, torchao conversion and :func:`validate`; changes nothing of ``opt``."""
+def prepare_load(engine, state_dict: Any, torchao_minimal_size: int, allow_nonfinite: bool,
+                 pre_hooks: Iterable[Callable] = ()) -> LoadPlan:
+    """Pre-hooks (the optimizer's, each given the state dict), torchao conversion and
+    :func:`validate`; changes nothing of ``engine``."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(
             "load_state_dict expects an optimizer state dict (a dict with 'state' and "
             f"'param_groups', as optimizer.state_dict() returns), got {type(state_dict).__name__}."
         )
     state_dict = dict(state_dict)  # shallow, as torch does: hooks may replace entries
-    for hook in opt._optimizer_load_state_dict_pre_hooks.values():
-        result = hook(opt, state_dict)
+    for hook in pre_hooks:
+        result = hook(state_dict)
         if result is not None:
             state_dict = result
     if not is_torchao_state_dict(state_dict):
-        return validate(opt, state_dict, allow_nonfinite)
+        return validate(engine, state_dict, allow_nonfinite)
     prefix = "cannot load this torchao CPUOffloadOptimizer checkpoint"
     try:
-        state_dict = convert_torchao_state_dict(state_dict, opt.param_groups, torchao_minimal_size)
+        state_dict = convert_torchao_state_dict(state_dict, engine.param_groups, torchao_minimal_size)
     except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
         raise ValueError(f"{prefix}: {type(err).__name__}: {err}") from None
-    for saved, group in zip(state_dict["param_groups"], opt.param_groups):
+    for saved, group in zip(state_dict["param_groups"], engine.param_groups):
         if not saved["params"]:  # a group torchao held no tensor of: its settings are ours
             saved.update({k: v for k, v in group.items() if k != "params"})
     try:
-        return validate(opt, state_dict, allow_nonfinite)
+        return validate(engine, state_dict, allow_nonfinite)
     except ValueError as err:
         raise ValueError(f"{prefix}: {err}") from None
 
 
-def validate(opt, state_dict: Mapping, allow_nonfinite: bool = False) -> LoadPlan:
-    """Check ``state_dict`` against ``opt`` and convert it; raises ValueError or TypeError
-    saying what differs. Reads ``opt`` only."""
+def validate(engine, state_dict: Mapping, allow_nonfinite: bool = False) -> LoadPlan:
+    """Check ``state_dict`` against ``engine`` and convert it; raises ValueError or TypeError
+    saying what differs. Reads ``engine`` only."""
     if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= state_dict.keys():
         keys = sorted(map(str, state_dict))[:8] if isinstance(state_dict, Mapping) else type(state_dict).__name__
         raise ValueError(
@@ -131,22 +133,22 @@ def validate(opt, state_dict: Mapping, allow_nonfinite: bool = False) -> LoadPla
         raise ValueError("the state dict's 'param_groups' must be a list of dicts, each with a 'params' list.")
     if not isinstance(saved_state, Mapping):
         raise ValueError(f"the state dict's 'state' must be a dict, got {type(saved_state).__name__}.")
-    if len(saved_groups) != len(opt.param_groups):
+    if len(saved_groups) != len(engine.param_groups):
         raise ValueError(
             f"state dict has {len(saved_groups)} parameter groups, this optimizer has "
-            f"{len(opt.param_groups)}; build the optimizer over the same groups."
+            f"{len(engine.param_groups)}; build the optimizer over the same groups."
         )
     groups, eager = [], False
     position_of = {}  # saved index -> (group, position among all trainable parameters)
-    params = list(opt._params())
-    for i, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+    params = list(engine.params())
+    for i, (saved, group) in enumerate(zip(saved_groups, engine.param_groups)):
         if len(saved["params"]) != len(group["params"]):
             raise ValueError(
                 f"parameter group {i}: state dict has {len(saved['params'])} parameters, "
                 f"this optimizer has {len(group['params'])} trainable ones. Was it saved "
                 "for another model, or with different parameters frozen?"
             )
-        hyper, creates_state = _check_group(opt, i, saved, allow_nonfinite)
+        hyper, creates_state = _check_group(engine, i, saved, allow_nonfinite)
         groups.append(hyper)
         eager |= creates_state
         for index in saved["params"]:
@@ -166,23 +168,23 @@ def validate(opt, state_dict: Mapping, allow_nonfinite: bool = False) -> LoadPla
                 f"{sorted(map(repr, position_of))[:8]}."
             )
         g, pos = position_of[index]
-        entries[index], master = _check_entry(opt, index, pos, params[pos], entry, groups[g], allow_nonfinite)
+        entries[index], master = _check_entry(engine, index, pos, params[pos], entry, groups[g], allow_nonfinite)
         if master is not None:
             masters[params[pos]] = master
     if eager:  # e.g. Adagrad: its step needs state it creates in __init__, never on the fly
         lacking = [index for index in position_of if not {k for k in entries.get(index, {}) if k != MASTER_KEY}]
         if lacking:
             raise ValueError(
-                f"{opt.optimizer_cls.__name__} needs state for every parameter, the state dict "
+                f"{engine.options.optimizer_cls.__name__} needs state for every parameter, the state dict "
                 f"has none for {lacking[:8]}."
             )
 
     # One state dict per inner optimizer (host, and the device share's), each over its
     # own parameters, with the groups as the class itself normalized them.
-    on_host = {index for index, (_, pos) in position_of.items() if params[pos] in opt._slots}
-    owners = [(opt._host_optimizer, lambda index: index in on_host)]
-    if opt._device_share is not None:
-        owners.append((opt._device_share.optimizer, lambda index: index not in on_host))
+    on_host = {index for index, (_, pos) in position_of.items() if params[pos] in engine.slots}
+    owners = [(engine.inner, lambda index: index in on_host)]
+    if engine.device_share is not None:
+        owners.append((engine.device_share.optimizer, lambda index: index not in on_host))
     inner = [
         (optimizer, {
             "state": {index: entry for index, entry in entries.items() if mine(index)},
@@ -202,15 +204,15 @@ def _nonfinite(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value)
 
 
-def _check_group(opt, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple[dict, bool]:
+def _check_group(engine, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple[dict, bool]:
     """The group's hyperparameters as ``optimizer_cls`` itself takes and normalizes them
     (AdamW sets decoupled_weight_decay=True on loading, whatever the checkpoint says), and
     whether the class creates its state in ``__init__``."""
-    cls = opt.optimizer_cls
+    cls = engine.options.optimizer_cls
     # A class may name group keys that checkpoints of its peers lack (CompactAdamW's
     # "master": a bitsandbytes AdamW8bit checkpoint loads into it).
     optional = KEYS_TORCH_MAY_LACK | set(getattr(cls, "optional_group_keys", ()))
-    missing = (set(opt.defaults) - optional) - saved.keys()
+    missing = (set(engine.defaults) - optional) - saved.keys()
     if missing:
         raise ValueError(
             f"state dict was written by another optimizer class: parameter group {i} "
@@ -221,10 +223,10 @@ def _check_group(opt, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple[di
         )
     hyper = {k: v for k, v in saved.items() if k != "params"}
     for key in set(getattr(cls, "optional_group_keys", ())) - saved.keys():
-        if key in opt.param_groups[i]:
+        if key in engine.param_groups[i]:
             # This optimizer's own setting holds where the checkpoint has none (a bitsandbytes
             # group's "master"), not the class's default.
-            hyper[key] = opt.param_groups[i][key]
+            hyper[key] = engine.param_groups[i][key]
     if not allow_nonfinite:
         for key, value in hyper.items():
             if _nonfinite(value):
@@ -253,16 +255,16 @@ def _check_group(opt, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple[di
 
 
 def _check_entry(
-    opt, index, pos: int, param: torch.Tensor, entry: Any, group: dict, allow_nonfinite: bool
+    engine, index, pos: int, param: torch.Tensor, entry: Any, group: dict, allow_nonfinite: bool
 ) -> tuple[dict, Optional[torch.Tensor]]:
     """One parameter's state, checked and converted: (state for the inner optimizer, master)."""
     where = f"state entry {index!r}"
     if not isinstance(entry, Mapping):
         raise ValueError(f"{where} is a {type(entry).__name__}, not a dict of per-parameter state.")
-    slot = opt._slots.get(param)
-    target = slot.master if slot is not None else opt._device_share.target[param]
-    cls = opt.optimizer_cls
-    owner = opt._host_optimizer if slot is not None else opt._device_share.optimizer
+    slot = engine.slots.get(param)
+    target = slot.master if slot is not None else engine.device_share.target[param]
+    cls = engine.options.optimizer_cls
+    owner = engine.inner if slot is not None else engine.device_share.optimizer
     own_check = getattr(owner, "check_state_entry", None)  # a class that checks its own entries
     if own_check is not None and entry:
         if MASTER_KEY in entry:
@@ -288,7 +290,7 @@ def _check_entry(
     out, master = {}, None
     for key, value in entry.items():
         if key == MASTER_KEY:
-            master = _check_master(where, pos, param, value, slot, opt, allow_nonfinite)
+            master = _check_master(where, pos, param, value, slot, engine, allow_nonfinite)
         else:
             out[key] = _check_value(where, key, pos, param, target, value, rules is not None, allow_nonfinite)
     return out, master
@@ -414,7 +416,7 @@ def _check_value(
     return converted
 
 
-def _check_master(where, pos, param, value, slot, opt, allow_nonfinite) -> torch.Tensor:
+def _check_master(where, pos, param, value, slot, engine, allow_nonfinite) -> torch.Tensor:
     key = MASTER_KEY
     if not isinstance(value, torch.Tensor):
         raise ValueError(
@@ -426,7 +428,7 @@ def _check_master(where, pos, param, value, slot, opt, allow_nonfinite) -> torch
     if value.shape != param.shape:
         raise _shape_error(where, key, value, pos, param)
     local = distributed.to_local_value(value, param).detach()
-    target = slot.master if slot is not None else opt._device_share.target[param]
+    target = slot.master if slot is not None else engine.device_share.target[param]
     if local.shape != target.shape:
         raise ValueError(
             f"{where} ({key!r}) gives this rank a part of shape {tuple(local.shape)}, its "
@@ -437,20 +439,20 @@ def _check_master(where, pos, param, value, slot, opt, allow_nonfinite) -> torch
     return converted
 
 
-def apply_state(opt, plan: LoadPlan) -> None:
+def apply_state(engine, plan: LoadPlan) -> None:
     """Install a validated plan's state and hyperparameters (not the weights: see
     :func:`write_weights`). Only torch's own loading runs here, on checked values."""
     for optimizer, state_dict in plan.inner:
         optimizer.load_state_dict(state_dict)
-    for group, hyper in zip(opt.param_groups, plan.groups):
+    for group, hyper in zip(engine.param_groups, plan.groups):
         params, names = group["params"], group.get("param_names")
         group.clear()
         group.update(hyper)
         group["params"] = params
         if names is not None and "param_names" not in hyper:  # as torch keeps them
             group["param_names"] = names
-    for slot in opt._slots:  # loaded moments go back into their huge pages
-        entry = opt._host_optimizer.state.get(slot.master)
+    for slot in engine.slots:  # loaded moments go back into their huge pages
+        entry = engine.inner.state.get(slot.master)
         for key, view in zip(("exp_avg", "exp_avg_sq"), slot.moments or ()):
             loaded = entry.get(key) if entry else None
             if loaded is not None and loaded.shape == view.shape and loaded.dtype == view.dtype:
@@ -458,7 +460,7 @@ def apply_state(opt, plan: LoadPlan) -> None:
 
 
 @torch.no_grad()
-def write_weights(opt, plan: LoadPlan) -> None:
+def write_weights(engine, plan: LoadPlan) -> None:
     """Masters after loading; the parameters are left as they are, as torch's optimizers
     leave them (the parameter is the truth, see weight_sync).
 
@@ -469,13 +471,13 @@ def write_weights(opt, plan: LoadPlan) -> None:
     (the model was never loaded, or holds other weights) is what the step updates. Without
     a saved master the host copy restarts from the weight.
     """
-    if opt._streamed is not None:
+    if engine.streams:
         return  # no host copies of the weights (a saved master is ignored, as torch's AdamW does)
-    for param in opt._params():
-        slot = opt._slots.get(param)
+    for param in engine.params():
+        slot = engine.slots.get(param)
         saved = plan.masters.get(param)
         if slot is None:
-            opt._device_share.load_master(param, saved)
+            engine.device_share.load_master(param, saved)
             continue
         weight = slot.device_weight()
         if saved is None:
@@ -487,27 +489,27 @@ def write_weights(opt, plan: LoadPlan) -> None:
         slot.mark = weight_mark(param) if bits_equal(rounded, weight.cpu()) else ()
 
 
-def with_masters(opt, sd: dict) -> dict:
-    """``opt``'s state dict from torch's packing (``sd``), with each master weight added and
+def with_masters(engine, sd: dict) -> dict:
+    """``engine``'s state dict from torch's packing (``sd``), with each master weight added and
     DTensor parameters' state laid out as DTensors (see CPUOffloadOptimizer.state_dict)."""
     # torch's packing hands out the host optimizer's live per-parameter dicts: copy them
     # before adding keys, so the live state never holds the master or DTensors.
     sd["state"] = {index: dict(entry) for index, entry in sd["state"].items()}
-    saved_entry = getattr(opt._host_optimizer, "saved_entry", None)
-    for index, param in enumerate(opt._params()):
-        slot = opt._slots.get(param)
+    saved_entry = getattr(engine.inner, "saved_entry", None)
+    for index, param in enumerate(engine.params()):
+        slot = engine.slots.get(param)
         if slot is None:  # updated on the device (device_fraction)
-            master = opt._device_share.master(param)
+            master = engine.device_share.master(param)
             if master is not None:
                 sd["state"].setdefault(index, {})[MASTER_KEY] = master
             continue
         # delayed_update saves every host weight: a model checkpoint written before this
         # call holds the weights from before the update it just completed.
-        if slot.weight_stage is not None or opt.delayed_update:
+        if slot.weight_stage is not None or engine.options.delayed_update:
             sd["state"].setdefault(index, {})[MASTER_KEY] = slot.master
         if saved_entry is not None and index in sd["state"]:  # (CompactAdamW: its remainder's weight)
             sd["state"][index] = saved_entry(slot.master, sd["state"][index], local_part(slot.param))
-        if opt._slots.sharded and index in sd["state"]:
+        if engine.slots.sharded and index in sd["state"]:
             sd["state"][index] = _shard_state(index, slot, sd["state"][index])
     return sd
 

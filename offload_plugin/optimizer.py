@@ -1,19 +1,11 @@
 """CPUOffloadOptimizer: a torch.optim.Optimizer whose state and update live in host memory.
 
-This module is the facade: param groups, ``state``, ``step``, ``zero_grad``, the state dict,
-scaling and clipping, as torch's optimizers have them. The work is done by parts with one
-job each:
-
-- ``options``: the constructor's options, checked once;
-- ``slots`` and ``host_buffers``: the table of trainable slots and their host memory;
-- ``gradients``: the gradient path (offloaded during backward, or copied at step);
-- ``scaling``: scale, clip and the inf/NaN verdict;
-- ``schedules``: what a step does (one table; a module per schedule), over ``updates``,
-  the host update queue, or ``streamed``, the update on the GPU with the state streamed
-  from host memory;
-- ``weight_sync``: weights changed outside the optimizer;
-- ``checkpoint``: the state dict;
-- ``process``: what all instances in a process share (host worker, transfer streams).
+This module is the facade: param groups, ``state``, ``step``, ``zero_grad``, scaling and
+clipping, the state dict, as torch's optimizers have them. Where and how the update runs
+is an engine's job (``engine``: the streamed engine, ``streamed``, or the host engine,
+``host_engine``, chosen as groups are added); the options are checked in ``options``, the
+state dict in ``checkpoint``, ``optimizer.state`` is ``state_view``, and which optimizer
+updates a parameter is ``ownership``.
 """
 
 from __future__ import annotations
@@ -21,121 +13,28 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from collections.abc import MutableMapping
 from functools import partial
 from itertools import chain
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin import checkpoint, host_memory, process, schedules, streamed
+from offload_plugin import checkpoint, host_memory, streamed
 from offload_plugin.checkpoint_compat import TORCHAO_MINIMAL_SIZE
-from offload_plugin.device_share import DeviceShare, choose_kept
+from offload_plugin.device_share import choose_kept
 from offload_plugin.distributed import DTensor, check_rows_sharded, local_part
-from offload_plugin.gradients import GradientPath, check_dense
-from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots, give_host_copies
-from offload_plugin.host_update import forget_batches, uses_fused_adam
+from offload_plugin.engine import Engine
+from offload_plugin.host_engine import HostEngine
 from offload_plugin.options import Options, check_trainable
-from offload_plugin.scaling import Scaling, multiplier
-from offload_plugin.schedules import delayed, early_forward, in_backward
-from offload_plugin.slots import SlotTable
-from offload_plugin.updates import StepPlan, Updates
-from offload_plugin.weight_sync import adopt_weight, changed_slots
+from offload_plugin.ownership import claim
+from offload_plugin.schedules import early_forward
+from offload_plugin.state_view import StateView
 
 __all__ = ["CPUOffloadOptimizer"]
 
 log = logging.getLogger(__name__)
 _ONE_TENSOR_NOTED = False  # (see CPUOffloadOptimizer._log_summary)
-# id(parameter) -> (weak parameter, weak optimizer): the optimizer that updates it (see _claim).
-_OWNERS: dict[int, tuple] = {}
-
-
-def _forget_owner(key: int, ref: weakref.ref) -> None:
-    """A claimed parameter was freed: its id may be reused by another tensor."""
-    if _OWNERS.get(key, (None,))[0] is ref:
-        del _OWNERS[key]
-
-
-class _GradHook:
-    """A parameter's post-accumulate-grad hook that reaches the optimizer through a weak
-    reference. The parameter holds its hooks and the optimizer holds the parameter; with
-    a bound method in between, a dropped model and optimizer were never collected (torch
-    2.13: the cycle runs through the tensor's hook table), and with them the host memory
-    and the host worker's thread."""
-
-    __slots__ = ("_optimizer",)
-
-    def __init__(self, optimizer: "CPUOffloadOptimizer") -> None:
-        self._optimizer = weakref.ref(optimizer)
-
-    def __call__(self, param: torch.Tensor) -> None:
-        optimizer = self._optimizer()
-        if optimizer is not None:
-            optimizer._on_grad_accumulated(param)
-
-
-class _StateByParam(MutableMapping):
-    """``optimizer.state`` keyed by the user's parameters, backed by the host optimizer's state."""
-
-    def __init__(self, owner: "CPUOffloadOptimizer") -> None:
-        self._owner = owner
-
-    def _where(self, param: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        """The state mapping that holds ``param``'s state, and its key there."""
-        owner = self._owner
-        slot = owner._slots.get(param)
-        if slot is not None:
-            if owner._streamed is not None:  # the state as the last step left it
-                owner._streamed.settle(for_user=True)
-            return owner._host_optimizer.state, slot.master
-        if owner._device_share is not None and param in owner._device_share:
-            return owner._device_share.optimizer.state, owner._device_share.target[param]
-        # (torch's state is a defaultdict that would make an empty entry here; one made for a
-        # tensor this optimizer never updates would be dropped silently, so say why instead)
-        shape = tuple(param.shape) if isinstance(param, torch.Tensor) else type(param).__name__
-        raise KeyError(
-            f"optimizer.state has no entry for this tensor ({shape}): it is not among the "
-            "parameters this CPUOffloadOptimizer updates (frozen parameters, requires_grad=False "
-            "when it was built, are left out). Use `p in optimizer.state` to test first.")
-
-    def __getitem__(self, param):
-        # Both optimizers' state is a defaultdict, as torch's optimizers' state is.
-        state, key = self._where(param)
-        return state[key]
-
-    def __setitem__(self, param, value):
-        state, key = self._where(param)
-        state[key] = value
-        self._replaced(state)
-
-    def __delitem__(self, param):
-        state, key = self._where(param)
-        del state[key]
-        self._replaced(state)
-
-    def _replaced(self, state: dict) -> None:
-        """A parameter's state dict was replaced: the host update's batches held it."""
-        if self._owner._host_optimizer is not None and state is self._owner._host_optimizer.state:
-            forget_batches(self._owner._host_optimizer)
-            if self._owner._streamed is not None:
-                self._owner._streamed.forget_state()
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        return (p for p in self._owner._params() if p in self)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-    def __contains__(self, param) -> bool:
-        try:
-            state, key = self._where(param)
-        except (KeyError, TypeError):
-            return False
-        return key in state
-
-    def __repr__(self) -> str:
-        return repr(dict(self.items()))
 
 
 class CPUOffloadOptimizer(Optimizer):
@@ -260,7 +159,6 @@ class CPUOffloadOptimizer(Optimizer):
                 "CPUOffloadOptimizer got its parameters as a set, whose order is not stable "
                 "(state-dict indices follow the order): pass a list, e.g. model.parameters()."
             )
-        defaults = options.defaults()
         self.options = options
         # The options as attributes, as torch's optimizers expose theirs (recipes read them).
         self.optimizer_cls, self._optimizer_kwargs = options.optimizer_cls, options.optimizer_kwargs
@@ -273,44 +171,19 @@ class CPUOffloadOptimizer(Optimizer):
         if self.device_fraction and not isinstance(params, torch.Tensor):
             params = list(params)  # read twice: to choose the kept share, then by torch
             self._keep_ids = choose_kept(params, self.device_fraction)
-
-        # The parts (see the module docstring); the device-bound ones come with the first
-        # parameter (_setup_device).
-        self._slots = SlotTable()
-        self._scaling = Scaling(self.nonfinite_grads, self.offload_gradients)
-        self._host_optimizer: Optional[Optimizer] = None
-        self._device_share: Optional[DeviceShare] = (
-            DeviceShare(self.optimizer_cls, self._optimizer_kwargs, self.master_weights)
-            if self._keep_ids else None
-        )
-        self._hooks: list = []
-        # The update on the device with the state streamed from host memory, where it gives
-        # torch's result (streamed.eligible), else None: the host update.
-        self._streamed: Optional[streamed.StreamedUpdate] = None
-        self._eligible_for_streaming = True
-        self._shared = self._transfers = self._arena = self._worker = None
-        self._grads: Optional[GradientPath] = None
-        self._updates: Optional[Updates] = None
-        # Per-step state, each a typed record of the schedule that owns it: what
-        # overlap_next_step chose, the plan whose updates are being submitted, a step
-        # that returned early (early_forward), the update running in the background
-        # (delayed_update), and the parameters whose gate that early step never saw pass.
-        self._overlap: Optional[schedules.Overlap] = None
-        self._running: Optional[StepPlan] = None
-        self._returned_early: Optional[StepPlan] = None
-        self._pending = delayed.Pending()
-        self._in_backward: list[StepPlan] = []  # queued by step()s inside this backward
-        self._ungated: dict[int, torch.Tensor] = {}
-        self._membership: list = []  # ids of each group's parameters, as the host groups have them
+        # The streamed engine where the options may allow it; the host engine takes over at
+        # the first group it cannot take (see _attach). The device share is the host's.
+        self._engine: Engine = (HostEngine(self, options, keeps_some=True) if self._keep_ids
+                                else streamed.StreamedEngine(self, options))
+        self._membership: list = []  # ids of each group's parameters, as the inner groups have them
         self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0,
                         "on_device": 0, "on_device_numel": 0}
         # Parameters dropped as frozen, until one of them is found with a gradient (warned
-        # once, see _warn_unfrozen), and ids of ours a newer optimizer took over (_claim).
+        # once, see _warn_unfrozen).
         self._frozen: list[weakref.ref] = []
-        self._taken_over: set[int] = set()
 
-        super().__init__(params, defaults)  # calls add_param_group for each group
-        self.state = _StateByParam(self)
+        super().__init__(params, options.defaults())  # calls add_param_group for each group
+        self.state = StateView(lambda: self._engine)
         c = self._counts
         if c["kept"] == 0:
             raise ValueError(
@@ -321,12 +194,18 @@ class CPUOffloadOptimizer(Optimizer):
             )
         self._log_summary()
 
+    @property
+    def engine(self) -> Engine:
+        """The update engine in use (``streamed.StreamedEngine`` or ``host_engine.HostEngine``),
+        for inspection: its slots, inner optimizer and parts."""
+        return self._engine
+
     def _log_summary(self) -> None:
         """What was kept and where the update runs, at INFO; at DEBUG for an optimizer of one
         tensor, as torchtune's ``optimizer_in_bwd`` builds one per parameter (a line each
         would flood the recipe's log), after one INFO line per process saying so."""
         global _ONE_TENSOR_NOTED
-        c, level = self._counts, logging.INFO
+        c, level, engine = self._counts, logging.INFO, self._engine
         if c["kept"] == 1:
             level = logging.DEBUG
             if not _ONE_TENSOR_NOTED:
@@ -334,9 +213,10 @@ class CPUOffloadOptimizer(Optimizer):
                 log.info("CPUOffloadOptimizer: optimizers over one tensor each (as torchtune's "
                          "optimizer_in_bwd builds them, one per parameter) log what they keep "
                          "at DEBUG level.")
-        if self._transfers is not None and not self._transfers.is_async:
+        if engine.transfers is not None and not engine.transfers.is_async:
             log.log(level, "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the "
-                    "update runs in host memory with synchronous copies.", self._transfers.device)
+                    "update runs in host memory with synchronous copies.", engine.transfers.device)
+        compact = getattr(self.optimizer_cls, "streams_compact", False)
         log.log(
             level,
             "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) %s%s; "
@@ -344,8 +224,8 @@ class CPUOffloadOptimizer(Optimizer):
             self.optimizer_cls.__name__, c["kept"] - c["on_device"],
             f"{c['kept_numel'] - c['on_device_numel']:,}",
             ("with the state in host memory, updated on the device "
-             + ("by the compact kernel" if self._streamed._compact else "as torch's fused AdamW")
-             + " (the state streamed through it)") if self._streamed is not None else "on the host",
+             + ("by the compact kernel" if compact else "as torch's fused AdamW")
+             + " (the state streamed through it)") if engine.streams else "on the host",
             f" and {c['on_device']} ({c['on_device_numel']:,} elements) on the device"
             if c["on_device"] else "",
             c["frozen"], f"{c['frozen_numel']:,}",
@@ -364,8 +244,8 @@ class CPUOffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------ param groups
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group as torch's optimizers do, dropping its frozen parameters first."""
-        if getattr(self, "_returned_early", None) is not None:  # (torch's __init__ calls this)
-            early_forward.finish(self)
+        if getattr(self._engine, "returned_early", None) is not None:
+            early_forward.finish(self._engine)
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
         group = dict(param_group)
@@ -403,17 +283,19 @@ class CPUOffloadOptimizer(Optimizer):
         self._membership = [list(map(id, g["params"])) for g in self.param_groups]  # (_check_params_known)
 
     def _attach(self, group: dict[str, Any]) -> None:
-        """Create host copies (and hooks) for a group torch has accepted."""
+        """Hand a group torch has accepted to the engine (host copies, state, hooks)."""
         params = group["params"]
-        devices = {p.device for p in chain(params, (s.param for s in self._slots))}
+        engine = self._engine
+        devices = {p.device for p in chain(params, (s.param for s in engine.slots))}
         if len(devices) > 1:
             raise ValueError(
                 "CPUOffloadOptimizer needs all trainable parameters on one device, got "
                 f"{sorted(map(str, devices))}. Move the model with model.to(device) first."
             )
         check_trainable(params)
-        if params and self._transfers is None:
-            self._setup_device(params[0].device)
+        if params and engine.transfers is None:
+            engine.setup_device(params[0].device)
+            self.host_threads = engine.worker.num_threads
         on_device = [p for p in params if id(p) in self._keep_ids]
         if any(isinstance(p, DTensor) for p in on_device):
             raise ValueError(
@@ -422,181 +304,16 @@ class CPUOffloadOptimizer(Optimizer):
             )
         if getattr(self.optimizer_cls, "bf16_host_only", False):
             self._check_host_only(params)
-        all_params, params = params, [p for p in params if id(p) not in self._keep_ids]
-        # A DTensor (FSDP2) parameter costs this rank only its local shard.
-        shards = [local_part(p) for p in params]
-        streaming = self._eligible_for_streaming and streamed.eligible(self, group, params)
-        if params and self.check_host_memory:
-            state = host_memory.state_tensors_per_param(self.optimizer_cls, group)
-            spares = 2 if self.delayed_update and self.offload_gradients else 0
-            host_memory.check(
-                host_memory.bytes_needed(shards, self.master_weights, state, spares,
-                                         host_copies=not streaming),
-                sum(p.numel() for p in shards), self.master_weights,
-            )
-        if not streaming:
-            self._stop_streaming()
-        slots = build_slots(
-            params, self.master_weights, self._arena,
-            spare_grads=self.delayed_update and self.offload_gradients, host_copies=not streaming,
-        ) if params else []
-        host_group = {k: v for k, v in group.items() if k != "params"}
-        host_group["params"] = [s.master for s in slots]
-        if self._host_optimizer is None:
-            self._host_optimizer = self.optimizer_cls([host_group], **self._optimizer_kwargs)
-        else:
-            self._host_optimizer.add_param_group(host_group)
-        if streaming and self._streamed is None and params:
-            self._streamed = streamed.StreamedUpdate(self)
-        pin_moments = self._streamed is not None and self._arena.pin
-        if uses_fused_adam(self._host_optimizer, self._host_optimizer.param_groups[-1]):
-            # (the fused path creates Adam's state itself)
-            allocate_moments(slots, pin=pin_moments)
-        if params and self.check_host_memory and not pin_moments:
-            # (moments to be page-locked were zero-filled, even where that failed: resident
-            # now; any other state is made at the first step)
-            host_memory.promise(self, host_memory.bytes_needed(shards, self.master_weights, state, host_copies=False))
-        shard_of = getattr(self._host_optimizer, "shard_of", None)  # (CompactAdamW lays out shards' state)
-        for slot in slots:
-            slot.on_replaced = getattr(self._host_optimizer, "weight_replaced", None)
-            if shard_of is not None and isinstance(slot.param, DTensor):
-                shard_of(slot.master, slot.param.shape)
-        if self._device_share is not None:  # one group per outer group, even if empty
-            self._device_share.add_group({k: v for k, v in group.items() if k != "params"}, on_device)
-        self._slots.add(slots)  # in parameter order: forward order for torchtune's models
-        if self.offload_gradients:
-            for slot in slots:
-                self._hooks.append(slot.param.register_post_accumulate_grad_hook(_GradHook(self)))
-        self._claim(all_params)
-        self._counts["kept"] += len(all_params)
+        offloaded = [p for p in params if id(p) not in self._keep_ids]
+        if engine.streams and not streamed.eligible(self.options, self.defaults, group, offloaded):
+            engine = self._engine = HostEngine.take_over(engine)
+        engine.attach(group, offloaded, on_device)
+        claim(self, params)
+        shards = [local_part(p) for p in offloaded]
+        self._counts["kept"] += len(params)
         self._counts["kept_numel"] += sum(p.numel() for p in shards) + sum(p.numel() for p in on_device)
         self._counts["on_device"] += len(on_device)
         self._counts["on_device_numel"] += sum(p.numel() for p in on_device)
-
-    def _claim(self, params: list) -> None:
-        """This optimizer updates ``params`` from now on. An older CPUOffloadOptimizer over
-        one of them (still alive: rebuilt over the same model before the old one was dropped,
-        or two built on purpose) leaves it alone and refuses its next step: each keeps its
-        own copy of the weight and writes it back whole, so two would undo each other's
-        updates where torch's optimizers apply both."""
-        for p in params:
-            held = _OWNERS.get(id(p))
-            older = held[1]() if held is not None and held[0]() is p else None
-            if older is not None and older is not self and older._holds(p):
-                older._taken_over.add(id(p))
-            ref = weakref.ref(p, partial(_forget_owner, id(p)))
-            _OWNERS[id(p)] = (ref, weakref.ref(self))
-
-    def _holds(self, p: torch.Tensor) -> bool:
-        return self._slots.get(p) is not None or (self._device_share is not None and p in self._device_share)
-
-    def _check_not_taken_over(self) -> None:
-        if self._taken_over:
-            raise ValueError(
-                f"CPUOffloadOptimizer: a newer CPUOffloadOptimizer was built over "
-                f"{len(self._taken_over)} of this optimizer's parameters and updates them now; "
-                "this one no longer does (each keeps its own host copy of a weight and writes "
-                "it back whole, so two optimizers over one parameter would undo each other's "
-                "updates). Step the newer optimizer, or build one optimizer over all the "
-                "parameter groups (add_param_group). Nothing was updated."
-            )
-
-    def _warn_unfrozen(self) -> None:
-        """A parameter dropped as frozen (requires_grad=False when this optimizer was built)
-        that has a gradient now, and was not added since (add_param_group), is not updated,
-        where torch's optimizers would update it: say so once."""
-        unfrozen = sum(1 for ref in self._frozen
-                       if (t := ref()) is not None and t.grad is not None and not self._holds(t))
-        if unfrozen:
-            self._frozen = []  # (once)
-            warnings.warn(
-                f"CPUOffloadOptimizer: {unfrozen} parameter(s) that had requires_grad=False when "
-                "it was built (left out as frozen, as QLoRA's base weights) have gradients now; "
-                "it does not update them. Add them with optimizer.add_param_group({'params': "
-                "[...]}), or set requires_grad before building the optimizer.", stacklevel=3)
-
-    def _stop_streaming(self) -> None:
-        """A group the streamed update cannot take: the host update takes over for all, from
-        the state as it is. The slots get host copies of their weights (the streamed update
-        keeps none), adopted from the parameters at the next step (weight_sync)."""
-        self._eligible_for_streaming = False
-        if self._streamed is None:
-            return
-        self._streamed.settle()
-        self._streamed = None
-        host = self._host_optimizer
-        placeholders = {id(slot.master): slot for slot in self._slots}
-        give_host_copies(list(self._slots), self.master_weights, self._arena)
-        # The host optimizer knows each slot by its master: key it by the new one.
-        for group in host.param_groups:
-            group["params"] = [placeholders[id(m)].master for m in group["params"]]
-        for old in [m for m in host.state if id(m) in placeholders]:
-            host.state[placeholders[id(old)].master] = host.state.pop(old)
-        forget_batches(host)
-
-    def _setup_device(self, device: torch.device) -> None:
-        self._shared = process.resources(device, self.host_threads)
-        self._transfers, self._worker = self._shared.transfers, self._shared.worker
-        self.host_threads = self._worker.num_threads
-        self._arena = self._shared.arena(self.pin_memory).account()  # this optimizer's share
-        self._grads = GradientPath(self._slots, self._transfers, self._worker, self._arena,
-                                   self.pin_memory, self.delayed_update)
-        self._scaling.on_accelerator = device.type != "cpu"
-        self._updates = Updates(lambda: self._host_optimizer, self._grads, self._transfers,
-                                self._worker)
-
-    def _params(self) -> Iterator[torch.Tensor]:
-        """Trainable parameters in order, group by group (the order of state-dict indices)."""
-        return (p for g in self.param_groups for p in g["params"])
-
-    def _check_params_known(self) -> None:
-        """Refuse a tensor put into ``param_groups[i]["params"]`` by hand: torch's optimizers
-        update it from then on, but it has no host copy here and would be left alone. A
-        parameter moved between groups (or the lists reordered) by hand: see _regroup."""
-        # (One C-level pass per group: the step asks it of every parameter.)
-        membership = [list(map(id, group["params"])) for group in self.param_groups]
-        if membership == self._membership:
-            return
-        share = self._device_share
-        for i, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if self._slots.get(p) is None and (share is None or p not in share):
-                    raise ValueError(
-                        f"param_groups[{i}]['params'] holds a tensor of shape "
-                        f"{tuple(getattr(p, 'shape', ()))} that CPUOffloadOptimizer was not "
-                        "given: it has no host copy to update. Add parameters with "
-                        "optimizer.add_param_group({'params': [...]}) instead."
-                    )
-        self._regroup(membership)
-
-    def _regroup(self, membership: list) -> None:
-        """The groups' ``params`` lists were edited by hand, with parameters of this
-        optimizer: torch's optimizers update each with the hyperparameters of the group it
-        is in now. The host optimizer's groups (the host update's) and the streamed
-        update's plans were cut from the old membership: they follow."""
-        ids = [i for group in membership for i in group]
-        if len(set(ids)) != len(ids):
-            raise ValueError(
-                "a parameter is in more than one of param_groups' 'params' lists (torch's "
-                "optimizers would update it once for each): keep each parameter in one group.")
-        if self._device_share is not None:
-            raise ValueError(
-                "param_groups' 'params' lists were edited by hand; with device_fraction the "
-                "groups are split between the device and the host when built, so move "
-                "parameters between groups by building the optimizer with the groups you need.")
-        if len(ids) != len(self._slots):
-            raise ValueError(
-                "a parameter was taken out of param_groups' 'params' lists by hand; "
-                "CPUOffloadOptimizer would go on updating it. Put it back, and to leave it "
-                "alone set its .grad to None (or p.requires_grad_(False) before backward).")
-        self._finish_pending()  # (an update still running reads the host groups)
-        host = self._host_optimizer
-        for group, inner in zip(self.param_groups, host.param_groups):
-            inner["params"] = [slot.master for slot in self._slots.in_order(group["params"])]
-        forget_batches(host)
-        if self._streamed is not None:
-            self._streamed.forget_plans()
-        self._membership = membership
 
     def _check_host_only(self, params: list) -> None:
         """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates bf16 host
@@ -615,114 +332,74 @@ class CPUOffloadOptimizer(Optimizer):
                 "model.to(torch.bfloat16) (torchtune: dtype=bf16)."
             )
 
-    # ------------------------------------------------------------------ gradients
-    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
-        """Backward hook (offload_gradients=True)."""
-        if self._taken_over and id(param) in self._taken_over:
-            return  # (a newer optimizer takes this gradient; this one's step() refuses)
-        early_forward.on_backward(self, param)
-        overlap = self._overlap
-        if overlap is not None:
-            if id(param) in overlap.seen:
-                # Its update (or its norm, or its weight's return) may already be under way.
-                raise RuntimeError(
-                    "CPUOffloadOptimizer: a second backward after overlap_next_step() reached "
-                    "a parameter that already has its gradient for this step. Call "
-                    "overlap_next_step() right before the LAST backward of the accumulation "
-                    "window, then step()."
-                )
-            overlap.seen.add(id(param))
-        elif self.accumulate_on_device:
-            return  # not the last backward (overlap_next_step): autograd adds the next one on the device
-        self._offload_grad(param)
-
-    def _offload_grad(self, param: torch.Tensor) -> None:
-        """Move ``param.grad`` to its slot, then let the schedule react: queue the update
-        (during_backward), take the norm of a host sum (overlapped clipping), or release the
-        weight (delayed)."""
-        slot, plan = self._slots[param], self._running
-        # Work the host would do with a pass over each gradient in host memory, where the
-        # update is bound by memory bandwidth, is done by the device on the way out: an
-        # update that starts now needs an inf/NaN verdict (the gradient's extremes come
-        # along); a clipped step needs each gradient scaled and its norm.
-        norms = self._scaling.clip_norms if plan is None else None
-        first = self._grads.offload(
-            slot, before=partial(norms.on_device, slot) if norms is not None else None,
-            extremes=plan is not None and plan.check_each, add_in_worker=plan is None,
-        )
-        if plan is not None:
-            self._submit(plan, [slot])
-        elif norms is not None and not first:  # an accumulated sum: scaled and normed on the host
-            norms.batch.add(slot, slot.grad.numel())
-        elif self._overlap is not None and self._overlap.schedule == "delayed":
-            delayed.release_for_push(self, slot)
-
-    def _submit(self, plan: StepPlan, slots: list[HostSlot]) -> None:
-        if not plan.submitted:  # the step's first update: nothing has read a master yet
-            self._adopt_changed_weights()
-        self._updates.submit(plan, slots)
-
-    def _settled_host_grads(self) -> list[HostSlot]:
-        """offload_gradients: every gradient complete on the host (a ``.grad`` set on the
-        device by hand is offloaded too); returns the slots that have one."""
-        for slot in self._slots:
-            if slot.param.grad is not None:
-                self._offload_grad(slot.param)
-        ready = [s for s in self._slots.in_order(self._params()) if s.has_grad]
-        for slot in ready:
-            self._grads.settle(slot)
-        return ready
-
-    def _ready_grads(self) -> list[torch.Tensor]:
-        """The gradients the next update would use (device .grad, or settled host copies)."""
-        return [g for _, g in self._ready_pairs()]
-
-    def _ready_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``(param, gradient)`` for :meth:`_ready_grads`, in parameter order; a DTensor's
-        gradient as its local shard; parameters updated on the device with their ``.grad``."""
-        if not self.offload_gradients:
-            pairs = []
-            sharded = self._slots.sharded
-            for p in self._params():
-                grad = p.grad
-                if grad is not None:
-                    if grad.is_sparse:
-                        check_dense(grad)
-                    pairs.append((p, local_part(grad) if sharded else grad))
-            return pairs
-        host = {id(s.param): s.grad for s in self._settled_host_grads()}
-        pairs = []
-        for p in self._params():
-            if id(p) in host:
-                pairs.append((p, host[id(p)]))
-            elif p.grad is not None and p not in self._slots:
-                check_dense(p.grad)
-                pairs.append((p, local_part(p.grad)))
-        return pairs
-
-    def _grads_in_place(self, action: str) -> list[torch.Tensor]:
-        """The gradients scaling and clipping act on: device ``.grad`` or offloaded copies."""
-        early_forward.finish(self)
-        if self._running is not None:
-            raise RuntimeError(
-                f"{action} after overlap_next_step(): the updates already use the "
-                "gradients. Pass grad_scale to overlap_next_step() instead, and don't "
-                "overlap steps that clip."
+    def _check_not_taken_over(self) -> None:
+        if self._engine.taken_over:
+            raise ValueError(
+                f"CPUOffloadOptimizer: a newer CPUOffloadOptimizer was built over "
+                f"{len(self._engine.taken_over)} of this optimizer's parameters and updates them now; "
+                "this one no longer does (each keeps its own host copy of a weight and writes "
+                "it back whole, so two optimizers over one parameter would undo each other's "
+                "updates). Step the newer optimizer, or build one optimizer over all the "
+                "parameter groups (add_param_group). Nothing was updated."
             )
-        grads = self._ready_grads()
-        if self._scaling.clip_norms is not None:  # scaled (and normed) by the worker: let it finish
-            self._scaling.clip_norms.batch.flush()
-            self._worker.drain()
-        if action != "step()":
-            self._scaling.apply_clip_now(grads)
-        overlap = self._overlap
-        if overlap is not None and overlap.pending_scale is not None:
-            # overlap_next_step's grad_scale, applied before anything reads the gradients,
-            # as if scale_grads() had been called right after backward.
-            factor, overlap.pending_scale = overlap.pending_scale, None
-            self._scaling.scale(grads, factor)
-        return grads
 
+    def _warn_unfrozen(self) -> None:
+        """A parameter dropped as frozen (requires_grad=False when this optimizer was built)
+        that has a gradient now, and was not added since (add_param_group), is not updated,
+        where torch's optimizers would update it: say so once."""
+        unfrozen = sum(1 for ref in self._frozen
+                       if (t := ref()) is not None and t.grad is not None and not self._engine.holds(t))
+        if unfrozen:
+            self._frozen = []  # (once)
+            warnings.warn(
+                f"CPUOffloadOptimizer: {unfrozen} parameter(s) that had requires_grad=False when "
+                "it was built (left out as frozen, as QLoRA's base weights) have gradients now; "
+                "it does not update them. Add them with optimizer.add_param_group({'params': "
+                "[...]}), or set requires_grad before building the optimizer.", stacklevel=3)
+
+    def _check_params_known(self) -> None:
+        """Refuse a tensor put into ``param_groups[i]["params"]`` by hand: torch's optimizers
+        update it from then on, but it has no host copy here and would be left alone. A
+        parameter moved between groups (or the lists reordered) by hand: see _regroup."""
+        # (One C-level pass per group: the step asks it of every parameter.)
+        membership = [list(map(id, group["params"])) for group in self.param_groups]
+        if membership == self._membership:
+            return
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if not self._engine.holds(p):
+                    raise ValueError(
+                        f"param_groups[{i}]['params'] holds a tensor of shape "
+                        f"{tuple(getattr(p, 'shape', ()))} that CPUOffloadOptimizer was not "
+                        "given: it has no host copy to update. Add parameters with "
+                        "optimizer.add_param_group({'params': [...]}) instead."
+                    )
+        self._regroup(membership)
+
+    def _regroup(self, membership: list) -> None:
+        """The groups' ``params`` lists were edited by hand, with parameters of this
+        optimizer: torch's optimizers update each with the hyperparameters of the group it
+        is in now. The engine's inner groups and plans were cut from the old membership:
+        they follow."""
+        ids = [i for group in membership for i in group]
+        if len(set(ids)) != len(ids):
+            raise ValueError(
+                "a parameter is in more than one of param_groups' 'params' lists (torch's "
+                "optimizers would update it once for each): keep each parameter in one group.")
+        if self._engine.device_share is not None:
+            raise ValueError(
+                "param_groups' 'params' lists were edited by hand; with device_fraction the "
+                "groups are split between the device and the host when built, so move "
+                "parameters between groups by building the optimizer with the groups you need.")
+        if len(ids) != len(self._engine.slots):
+            raise ValueError(
+                "a parameter was taken out of param_groups' 'params' lists by hand; "
+                "CPUOffloadOptimizer would go on updating it. Put it back, and to leave it "
+                "alone set its .grad to None (or p.requires_grad_(False) before backward).")
+        self._engine.regroup()
+        self._membership = membership
+
+    # ------------------------------------------------------------------ gradients
     @torch.no_grad()
     def scale_grads(self, factor: Union[float, torch.Tensor]) -> None:
         """Multiply every trainable gradient by ``factor``, wherever it currently lives.
@@ -730,14 +407,15 @@ class CPUOffloadOptimizer(Optimizer):
         Equivalent to torchtune's ``training.scale_grads(model, factor)``, which cannot
         reach offloaded gradients (they are ``None`` on the model).
         """
-        overlap, norms = self._overlap, self._scaling.clip_norms
+        engine = self._engine
+        overlap, norms = engine.overlap, engine.scaling.clip_norms
         if overlap is not None and (overlap.pending_scale is not None or (
                 norms is not None and norms.grad_scale is not None)):
             raise RuntimeError(
                 "scale_grads() after overlap_next_step(grad_scale=...): the scale is "
                 "already applied once; call one or the other."
             )
-        self._scaling.scale(self._grads_in_place("scale_grads()"), factor)
+        engine.scaling.scale(engine.grads_in_place("scale_grads()"), factor)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -773,32 +451,15 @@ class CPUOffloadOptimizer(Optimizer):
             ValueError: sharded parameters with a ``norm_type`` other than inf or a
                 positive number.
         """
-        grads = self._grads_in_place("clip_grad_norm_()")
-        params = [p for p, _ in self._ready_pairs()] if self._slots.sharded else []
-        return self._scaling.clip(params, grads, self._slots.meshes, max_norm, norm_type,
-                                  error_if_nonfinite, foreach)
+        engine = self._engine
+        grads = engine.grads_in_place("clip_grad_norm_()")
+        params = [p for p, _ in engine.ready_pairs()] if engine.slots.sharded else []
+        return engine.scaling.clip(params, grads, engine.slots.meshes, max_norm, norm_type,
+                                   error_if_nonfinite, foreach)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
-        host = self._streamed is None  # (the streamed update keeps no host gradients, no worker)
-        if host and not self.delayed_update and self._returned_early is None and not self._in_backward:
-            self._updates.flush(self._running)
-            if self._scaling.clip_norms is not None:
-                self._scaling.clip_norms.batch.flush()
-            self._worker.drain()
-        self._scaling.reset()
-        super().zero_grad(set_to_none)
-        self._scaling.finite.clear()
-        if self._returned_early is not None:
-            # A step that returned early still reads its host gradients (and adds the last
-            # micro-batch's first): they are reset when it finishes, which is before the
-            # next gradient lands (the next forward waits for every update first).
-            self._returned_early.zero_grad = set_to_none
-        elif host:
-            # (Slots whose update this backward queued keep their copy's event: the update
-            # waits for it. Waiting here would stall the backward on the GPU.)
-            self._grads.reset(set_to_none, keep=in_backward.in_flight(self))
-        self._scaling.scaled_since_zero_grad = False
+        self._engine.zero_grad(set_to_none, partial(super().zero_grad, set_to_none))
 
     # ------------------------------------------------------------------ step
     def overlap_next_step(
@@ -854,26 +515,7 @@ class CPUOffloadOptimizer(Optimizer):
             )
         # A step that returned early may still be updating (this is normally called before
         # the next forward, which it is to overlap); what follows leaves it alone.
-        if grad_scale is not None:
-            grad_scale = self._overlap_multiplier(grad_scale)
-        self._scaling.scaled_since_zero_grad = True
-        self._overlap = schedules.choose_overlap(self, grad_scale, clipping, bool(early_forward))
-
-    def _overlap_multiplier(self, grad_scale: Union[float, torch.Tensor]) -> float:
-        """The one number each overlapped update multiplies its gradient by: what
-        torchtune's scale_grads would (see scaling.multiplier)."""
-        # (Once per dtype, not per parameter: this runs before every overlapped backward.)
-        dtypes = {p.dtype for p in self._params()}
-        values = {multiplier(grad_scale, dtype, self._scaling.on_accelerator) for dtype in dtypes}
-        if len(values) > 1:
-            raise ValueError(
-                "overlap_next_step(grad_scale=...) with trainable parameters of several dtypes "
-                f"({sorted(map(str, dtypes))}) on a GPU: scale_grads "
-                "rounds the factor to each gradient's dtype there, which one overlapped update "
-                "cannot. Give the trainable parameters one dtype, or call scale_grads() after "
-                "backward instead of passing grad_scale."
-            )
-        return values.pop() if values else float(grad_scale)
+        self._engine.overlap_next_step(grad_scale, clipping, bool(early_forward))
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -884,12 +526,12 @@ class CPUOffloadOptimizer(Optimizer):
         Offloaded gradients are not on the model, where GradScaler looks for them: True
         there too, so that it hands its scale to step(), which refuses it with advice
         (unscaling would find no gradient and fail with torch's "No inf checks")."""
-        return self._streamed is not None or self.offload_gradients
+        return self._engine.streams or self.offload_gradients
 
     @property
     def overlapping(self) -> bool:
         """True between ``overlap_next_step()`` and the ``step()`` that completes it."""
-        return self._overlap is not None
+        return self._engine.overlap is not None
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
@@ -917,7 +559,10 @@ class CPUOffloadOptimizer(Optimizer):
         self._check_params_known()
         if self._frozen:
             self._warn_unfrozen()
-        schedules.run_step(self)
+        engine = self._engine
+        if engine.streams and not engine.still_applies():
+            engine = self._engine = HostEngine.take_over(engine)  # (a group's fused was switched off)
+        engine.step()
         # Its state exists now, or will in a moment (an update that returned early); a
         # parameter without a gradient makes none, which a later preflight then misses.
         host_memory.settle(self)
@@ -929,28 +574,7 @@ class CPUOffloadOptimizer(Optimizer):
         errors raised. Every method that needs it calls it; call it before reading the
         model's weights other than through its forward (e.g. saving the model) or changing
         them. A no-op otherwise."""
-        self._finish_pending()
-
-    def _finish_pending(self) -> None:
-        if self._streamed is not None:
-            self._streamed.settle()
-        in_backward.finish(self)
-        early_forward.finish(self)
-        delayed.finish(self)
-
-    # ------------------------------------------------------------------ changed weights
-    def _adopt_changed_weights(self) -> None:
-        """Take over weights changed outside the optimizer since its host copies last
-        matched them (see weight_sync): before a step's first update reads a master. (The
-        streamed update reads no master: the device weights are what it updates; only
-        CompactAdamW's remainders there follow the writes.)"""
-        if self._streamed is not None:
-            self._streamed.weights_written()
-            return
-        for slot in changed_slots(self._slots):
-            adopt_weight(slot)
-        if self._device_share is not None:
-            self._device_share.adopt_changed_weights()
+        self._engine.finish()
 
     @torch.no_grad()
     def reload_weights(self) -> None:
@@ -962,14 +586,8 @@ class CPUOffloadOptimizer(Optimizer):
         without this; call it after writing through ``param.data``, which torch hides from
         the version counters that detection reads.
         """
-        self._finish_pending()
-        if self._streamed is not None:  # (no host copies: it reads the parameters themselves)
-            self._streamed.weights_reloaded()
-            return
-        for slot in self._slots:
-            adopt_weight(slot)
-        if self._device_share is not None:
-            self._device_share.adopt_changed_weights(all_params=True)
+        self._engine.finish()
+        self._engine.reload_weights()
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
@@ -988,10 +606,10 @@ class CPUOffloadOptimizer(Optimizer):
             ValueError: a DTensor parameter has state with dimensions that is not shaped
                 like its shard (e.g. factored state), which cannot be saved per shard.
         """
-        self._finish_pending()
+        self._engine.finish()
         self._check_params_known()
-        self._adopt_changed_weights()  # a saved master must match the model's weight
-        return checkpoint.with_masters(self, super().state_dict())
+        self._engine.adopt_changed_weights()  # a saved master must match the model's weight
+        return checkpoint.with_masters(self._engine, super().state_dict())
 
     def load_state_dict(
         self,
@@ -1024,18 +642,17 @@ class CPUOffloadOptimizer(Optimizer):
                 counts, parameter shapes or optimizer class, or holds a malformed or
                 non-finite entry; the message says what differs.
         """
-        self._finish_pending()
+        engine = self._engine
+        engine.finish()
         self._check_params_known()
         # Checked and converted into new tensors; nothing of this optimizer changed yet.
-        plan = checkpoint.prepare_load(self, state_dict, torchao_minimal_size, allow_nonfinite)
-        checkpoint.apply_state(self, plan)
+        hooks = [partial(hook, self) for hook in self._optimizer_load_state_dict_pre_hooks.values()]
+        plan = checkpoint.prepare_load(engine, state_dict, torchao_minimal_size, allow_nonfinite, hooks)
+        checkpoint.apply_state(engine, plan)
         host_memory.settle(self)  # (the loaded state is allocated)
-        if self._host_optimizer is not None:
-            forget_batches(self._host_optimizer)
-        if self._streamed is not None:
-            self._streamed.forget_state()
+        engine.forget_state()
         # The one place where loading writes master weights and device weights.
-        checkpoint.write_weights(self, plan)
+        checkpoint.write_weights(engine, plan)
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
@@ -1044,11 +661,11 @@ class CPUOffloadOptimizer(Optimizer):
         """Host bytes held for the optimizer: master weights, gradients, staging and state."""
         state_bytes = sum(
             v.numel() * v.element_size()
-            for st in self._host_optimizer.state.values()
+            for st in self._engine.inner.state.values()
             for v in st.values()
             if isinstance(v, torch.Tensor)
         )
-        return self._arena.nbytes() + state_bytes
+        return self._engine.arena.nbytes() + state_bytes
 
     def __repr__(self) -> str:
         body = super().__repr__().split(" (", 1)[1]

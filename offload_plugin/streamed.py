@@ -19,7 +19,7 @@ ring of staging buffers shared by all optimizers of a process (torchtune's
 ``optimizer_in_bwd`` builds one per parameter), plus the step counts. The step counts and
 the inf/NaN verdict live on the device; the host copies of the counts are brought up to
 date (and a skipped step reported) when the state is read, at the next step, or by
-:meth:`StreamedUpdate.settle`.
+:meth:`StreamedEngine.settle`.
 
 Inside a backward (torchtune's ``optimizer_in_bwd``: one optimizer per parameter, each
 stepped in its gradient's hook) a step only checks its gradient and queues it on the ring;
@@ -44,11 +44,13 @@ from typing import Optional
 import torch
 
 from offload_plugin import compact_streamed
+from offload_plugin.engine import Engine
 from offload_plugin.host_buffers import HostSlot, back_to_back
 from offload_plugin.gradients import check_dense
-from offload_plugin.host_update import _adam_state, check_hyperparameters
+from offload_plugin.host_update import _adam_state, check_hyperparameters, forget_batches
+from offload_plugin.options import Options
 
-__all__ = ["eligible", "StagingRing", "StreamedUpdate"]
+__all__ = ["eligible", "StagingRing", "StreamedEngine"]
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,11 @@ _ON_CPU = False
 ENABLED = os.environ.get("OFFLOAD_PLUGIN_STREAMED", "1") != "0"
 
 
-def eligible(opt, group: dict, params: list[torch.Tensor]) -> bool:
-    """Whether ``opt`` may update ``params`` (of ``group``) this way: AdamW's exact result
-    on the device, with the state in host memory; else the host update runs."""
+def eligible(options: Options, defaults: dict, group: dict, params: list[torch.Tensor],
+             keeps_some: bool = False) -> bool:
+    """Whether an optimizer with ``options`` (and ``defaults``) may update ``params`` (of
+    ``group``) this way: AdamW's exact result on the device, with the state in host memory;
+    else the host update runs. ``keeps_some``: device_fraction keeps some on the device."""
     if not ENABLED:
         return False
     if not params:
@@ -90,16 +94,17 @@ def eligible(opt, group: dict, params: list[torch.Tensor]) -> bool:
     device = params[0].device
     if not (device.type == "cuda" or (_ON_CPU and device.type == "cpu")):
         return False
-    if opt.offload_gradients or opt.master_weights or opt.delayed_update or opt._keep_ids:
+    if options.offload_gradients or options.master_weights or options.delayed_update or keeps_some:
         return False
-    if getattr(opt.optimizer_cls, "streams_compact", False):  # CompactAdamW: compact_streamed
-        if compact_streamed.applies(opt.optimizer_cls, device, _ON_CPU) is not None:
+    optimizer_cls = options.optimizer_cls
+    if getattr(optimizer_cls, "streams_compact", False):  # CompactAdamW: compact_streamed
+        if compact_streamed.applies(optimizer_cls, device, _ON_CPU) is not None:
             return False
         dtypes = (torch.bfloat16,)
-    elif getattr(opt.optimizer_cls, "bf16_host_only", False) or not issubclass(opt.optimizer_cls, torch.optim.Adam):
+    elif getattr(optimizer_cls, "bf16_host_only", False) or not issubclass(optimizer_cls, torch.optim.Adam):
         return False
     else:
-        settings = dict(opt.defaults, **{k: v for k, v in group.items() if k != "params"})
+        settings = dict(defaults, **{k: v for k, v in group.items() if k != "params"})
         if (not settings.get("fused") or settings.get("amsgrad") or settings.get("capturable")
                 or settings.get("differentiable")):
             return False
@@ -234,7 +239,7 @@ class _Plan:
 class _Job:
     """One optimizer's step, checked, whose GPU work is not queued yet (see _run_jobs)."""
 
-    owner: "StreamedUpdate"
+    owner: "StreamedEngine"
     plan: _Plan
     grads: list  # the plan's slots' gradients, in its order
     hyper: list  # per param group: the kernel and its arguments at step() time
@@ -254,11 +259,13 @@ class _Verdict:
     orders: Optional[list] = None  # compact: the slots whose host step counts it settles
 
 
-class StreamedUpdate:
-    """One optimizer's streamed updates (see the module docstring)."""
+class StreamedEngine(Engine):
+    """One optimizer's streamed updates (see the module docstring and ``engine.Engine``)."""
 
-    def __init__(self, opt) -> None:
-        self._opt = opt
+    streams = True
+
+    def __init__(self, optimizer, options: Options) -> None:
+        super().__init__(optimizer, options)
         self._device_steps: Optional[torch.Tensor] = None  # one per slot, by slot.order
         self._step_views: list = []
         self._steps_moved = False  # the device counts changed since the host's were set
@@ -271,7 +278,7 @@ class StreamedUpdate:
         # CompactAdamW's state (compact_streamed): where it lives, the kernel's scalars
         # (from the host step counts, which each verdict settles), and each slot's weight
         # version after our last update (a weight changed since drops its remainder).
-        self._compact = bool(getattr(opt.optimizer_cls, "streams_compact", False))
+        self._compact = bool(getattr(options.optimizer_cls, "streams_compact", False))
         self._host_state: Optional[compact_streamed.HostState] = None
         self._coefficients = compact_streamed.Coefficients()
         self._versions: dict = {}
@@ -286,12 +293,12 @@ class StreamedUpdate:
         over state without max_exp_avg_sq stays here: step() refuses it, as torch does.)"""
         if self._compact:
             return True  # (CompactAdamW's update is the same kernel whatever its groups say)
-        state = self._opt._host_optimizer.state
-        for index, group in enumerate(self._opt.param_groups):
+        state = self.inner.state
+        for index, group in enumerate(self.param_groups):
             if not group.get("fused"):
                 why = f"['fused'] is {group.get('fused')!r}, so torch's AdamW would go on with its for-loop"
             elif group.get("amsgrad") and all(
-                    "max_exp_avg_sq" in state[m] for m in self._opt._host_optimizer.param_groups[index]["params"]
+                    "max_exp_avg_sq" in state[m] for m in self.inner.param_groups[index]["params"]
                     if state.get(m)):
                 why = "['amsgrad'] is True with its state, so torch's AdamW would go on with amsgrad"
             else:
@@ -322,10 +329,10 @@ class StreamedUpdate:
             self._steps_moved = False
             steps = self._device_steps.cpu()
             self._host_counts = steps.tolist()
-            state = self._opt._host_optimizer.state
+            state = self.inner.state
             # Only the slots the device counts cover: a group added since has none there
             # (its state, made by the next step's plan, holds its own counts until then).
-            for slot in self._opt._slots.ordered[:len(steps)]:
+            for slot in self.slots.ordered[:len(steps)]:
                 entry = state.get(slot.master)
                 if entry and "step" in entry:
                     entry["step"].copy_(steps[slot.order])
@@ -336,10 +343,10 @@ class StreamedUpdate:
         or replaced, as torch's AdamW takes them) are read anew, with the plans: the device
         holds the counts between steps, and would go on from its own."""
         self._counts_shown = False
-        if self._device_steps is None or len(self._host_counts) < len(self._opt._slots):
+        if self._device_steps is None or len(self._host_counts) < len(self.slots):
             return  # (read from the host state at this step anyway: see _steps_of)
-        state = self._opt._host_optimizer.state
-        for slot in self._opt._slots:
+        state = self.inner.state
+        for slot in self.slots:
             entry = state.get(slot.master)
             if not entry:
                 continue
@@ -351,24 +358,36 @@ class StreamedUpdate:
                 self.forget_state()
                 return
 
-    def weights_reloaded(self) -> None:
+    # ------------------------------------------------------------------ the engine interface
+    def finish(self) -> None:
+        self.settle()
+
+    def state_of(self, param: torch.Tensor):
+        where = super().state_of(param)
+        if where is not None:  # the state as the last step left it
+            self.settle(for_user=True)
+        return where
+
+    def regroup(self) -> None:
+        """The groups' members changed (see CPUOffloadOptimizer._regroup): cut the units anew."""
+        super().regroup()
+        self._plans.clear()
+
+    def reload_weights(self) -> None:
         """CPUOffloadOptimizer.reload_weights(): weights may have been written where the
         version counters do not see it (``param.data``). Compact state drops every remainder,
         so that each master restarts from its weight; exact state keeps no master."""
         if self._compact:
-            self._drop_remainders(self._opt._slots)
-
-    def forget_plans(self) -> None:
-        """The groups' members changed (see CPUOffloadOptimizer._regroup): cut the units anew."""
-        self._plans.clear()
+            self._drop_remainders(self.slots)
 
     def forget_state(self) -> None:
         """The host state was replaced (load_state_dict, ``state[p] = ...``) after a
         settle(): read the step counts and moments from it anew."""
+        forget_batches(self.inner)
         self._device_steps, self._step_views, self._steps_moved = None, [], False
         self._plans.clear()
         # (a loaded remainder: CompactAdamW decides at its next update, see before_update)
-        self._versions = {s.order: s.param._version for s in self._opt._slots}
+        self._versions = {s.order: s.param._version for s in self.slots}
 
     def _take_verdict(self, counted: bool = False) -> None:
         """Report the last step's verdict (its copy is long done when the next step starts),
@@ -384,7 +403,7 @@ class StreamedUpdate:
                 for order in verdict.orders:
                     self._host_counts[order] += 1
             return
-        scaling = self._opt._scaling
+        scaling = self.scaling
         if verdict.whole_step:
             scaling.report_step_skipped(verdict.count)
         else:
@@ -392,19 +411,19 @@ class StreamedUpdate:
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def step(self, in_backward: bool) -> None:
+    def step(self) -> None:
         """Check the gradients and queue the update of every parameter with one; never
         waits for the GPU. Inside a backward (torchtune's ``optimizer_in_bwd``) the update
         joins the ring's queue (see the module docstring), and the compute stream is ordered
         after the updates when that backward ends; otherwise at once."""
-        opt = self._opt
+        in_backward = torch._C._current_graph_task_id() != -1
         if self._queued_on is not None:  # (a second step inside one backward)
             _flush(self._queued_on)
         if self._verdict is not None:
             self._take_verdict()
         if self._counts_shown:
             self._adopt_edited_counts()
-        slots = opt._slots.ordered  # (in parameter order: no device_fraction here)
+        slots = self.slots.ordered  # (in parameter order: no device_fraction here)
         grads = [slot.param.grad for slot in slots]
         key = tuple(g is not None for g in grads)
         grads = [g for g in grads if g is not None]
@@ -425,7 +444,7 @@ class StreamedUpdate:
                     "set .grad to a tensor like the parameter. Nothing was updated.")
             if not g.is_contiguous():
                 grads[i] = g.contiguous()
-        groups = opt.param_groups
+        groups = self.param_groups
         if any(g.get("amsgrad") for g in groups):
             raise ValueError(
                 "CPUOffloadOptimizer: amsgrad was turned on after the optimizer was built; "
@@ -441,14 +460,14 @@ class StreamedUpdate:
         # a backward's flush with other optimizers' steps. Refused here, nothing changed.
         for index, group in enumerate(groups):
             check_hyperparameters(index, group)
-        amp_scale = getattr(opt, "grad_scale", None)
+        amp_scale = self.amp_scale
         if self._compact and amp_scale is not None:
             raise ValueError(
                 "CPUOffloadOptimizer: CompactAdamW's streamed update takes no GradScaler scale "
                 "(its parameters are bf16, which needs no loss scaling): leave the GradScaler "
                 "out, or unscale the gradients with scaler.unscale_(optimizer) first. Nothing "
                 "was updated.")
-        opt._scaling.apply_clip_now(grads)
+        self.scaling.apply_clip_now(grads)
         if plan is None:
             plan = self._plans[key] = self._plan(stepping)
         ring = plan.ring
@@ -459,7 +478,7 @@ class StreamedUpdate:
         # CPUOffloadOptimizer._step_supports_amp_scaling): the kernel divides by it, as torch's
         # fused AdamW's does. (Its found_inf is the verdict on these same gradients that
         # ours takes: a step it flags is skipped here too, the counts left as they were.)
-        hyper = [] if self._compact else [_hyperparameters(g, opt._host_optimizer, amp_scale) for g in groups]
+        hyper = [] if self._compact else [_hyperparameters(g, self.inner, amp_scale) for g in groups]
         ring.queued.append(_Job(self, plan, grads, hyper, whole_step=not in_backward, rows=rows))
         ring.queued_numel += sum(g.numel() for g in grads)
         self._queued_on = ring
@@ -469,11 +488,10 @@ class StreamedUpdate:
                 _flush(ring, in_backward=True)
         else:
             _flush(ring, in_backward=False)
-        if opt.nonfinite_grads == "raise":
+        if self.options.nonfinite_grads == "raise":
             self.settle()
 
     def _plan(self, slots: list[HostSlot]) -> _Plan:
-        opt = self._opt
         for slot in slots:
             # The state is keyed and checked by the slot's placeholder, shaped as the
             # parameter was when given: one converted since (``p.data = t``, module.to())
@@ -492,7 +510,7 @@ class StreamedUpdate:
                     f"CPUOffloadOptimizer: a parameter of shape {tuple(p.shape)} is not contiguous "
                     "now (its .data was replaced); the streamed update reads parameters as flat "
                     "memory. Assign a contiguous tensor (t.contiguous()). Nothing was updated.")
-        shared = opt._shared  # (one device's resources: one ring)
+        shared = self.resources  # (one device's resources: one ring)
         if shared.ring is None:
             shared.ring = StagingRing(slots[0].param.device)
         ring = shared.ring
@@ -503,13 +521,13 @@ class StreamedUpdate:
                 unit.at = position[id(unit.slot)]
         else:
             for slot in slots:  # the state torch's fused AdamW creates at a parameter's first step
-                _adam_state(opt._host_optimizer, slot, False)
-            groups = {id(p): g for g in opt.param_groups for p in g["params"]}
-            units = _plan_units(slots, opt.param_groups, groups, opt._host_optimizer.state)
+                _adam_state(self.inner, slot, False)
+            groups = {id(p): g for g in self.param_groups for p in g["params"]}
+            units = _plan_units(slots, self.param_groups, groups, self.inner.state)
             for unit in units:
                 unit.at = [position[id(s)] for s, _, _ in unit.items]
                 ring.reserve(unit.exp_avg.dtype, unit.numel)
-        entries = [opt._host_optimizer.state[s.master] for s in slots]
+        entries = [self.inner.state[s.master] for s in slots]
         moments = [(e["exp_avg"], e["exp_avg_sq"]) for e in entries]
         params = [s.param for s in slots]
         return _Plan(slots, entries, moments, units, ring, self._steps_of(slots), params,
@@ -519,12 +537,11 @@ class StreamedUpdate:
     def _compact_units(self, slots: list[HostSlot], ring: StagingRing) -> list:
         """CompactAdamW's state for ``slots`` (made, or moved into page-locked memory) and
         the units it is cut into (compact_streamed)."""
-        opt = self._opt
-        host_opt = opt._host_optimizer
-        index_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        host_opt = self.inner
+        index_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         group_of = [index_of[id(s.param)] for s in slots]
         if self._host_state is None:
-            self._host_state = compact_streamed.HostState(pin=ring.is_async and opt._arena.pin)
+            self._host_state = compact_streamed.HostState(pin=ring.is_async and self.arena.pin)
         entries = self._host_state.ensure(host_opt, slots, [host_opt.param_groups[g] for g in group_of])
         units = compact_streamed.plan_units(slots, entries, group_of, CHUNK_NUMEL)
         for unit in units:
@@ -539,11 +556,11 @@ class StreamedUpdate:
         """Each compact unit's kernel scalars for this step; before that, the remainder of
         a weight changed outside the optimizer since our last update is dropped: the
         weight is the master now (the parameter is the truth)."""
-        self.weights_written(plan.slots)
-        host_opt = self._opt._host_optimizer
+        self.adopt_changed_weights(plan.slots)
+        host_opt = self.inner
         for slot in plan.slots:  # (a remainder loaded with its weight's digest: checked now)
             host_opt.before_update(slot.master, slot.param)
-        groups = self._opt.param_groups  # (schedulers write ours; the host optimizer's lag)
+        groups = self.param_groups  # (schedulers write ours; the host optimizer's lag)
         counts, made, rows = self._host_counts, {}, []
         for unit in plan.units:  # (a row per group and count: the units of a step share them)
             if unit.exact:
@@ -555,13 +572,13 @@ class StreamedUpdate:
             rows.append(made[key])
         return rows
 
-    def weights_written(self, slots: Optional[list[HostSlot]] = None) -> None:
+    def adopt_changed_weights(self, slots: Optional[list[HostSlot]] = None) -> None:
         """Compact state: the remainders of weights written outside the optimizer since our
         last update (their version counters moved) are dropped, or kept by a resume's digest
         (CompactAdamW.weight_replaced): before an update, or a state dict, reads them."""
         if not self._compact:
             return
-        slots = self._opt._slots if slots is None else slots
+        slots = self.slots if slots is None else slots
         changed = [s for s in slots if self._versions.get(s.order, s.param._version) != s.param._version]
         if changed:
             self._drop_remainders(changed)
@@ -570,18 +587,17 @@ class StreamedUpdate:
         """The weights of ``slots`` are new: each master restarts from its weight."""
         self.settle()  # (no copy into the host state in flight)
         for slot in slots:
-            self._opt._host_optimizer.weight_replaced(slot.master, slot.param)
+            self.inner.weight_replaced(slot.master, slot.param)
             self._versions[slot.order] = slot.param._version
 
     # ------------------------------------------------------------------ bookkeeping
     def _steps_of(self, slots: list[HostSlot]) -> list[torch.Tensor]:
         """Each slot's step count on the device (taken from the host state the first time)."""
-        opt = self._opt
-        if self._device_steps is None or len(self._step_views) < len(opt._slots):
+        if self._device_steps is None or len(self._step_views) < len(self.slots):
             self.settle()  # (the host counts current, if the table grew)
-            state = opt._host_optimizer.state
+            state = self.inner.state
             counts = [float(state[s.master]["step"]) if "step" in state.get(s.master, {}) else 0.0
-                      for s in opt._slots]
+                      for s in self.slots]
             self._host_counts = counts
             self._device_steps = torch.tensor(counts, dtype=torch.float32).to(slots[0].param.device)
             self._step_views = list(self._device_steps.unbind())
@@ -691,7 +707,7 @@ def _run_compact_unit(unit, job: _Job, ring: StagingRing, found: torch.Tensor,
     Units share a staging pair while they fit (as _run_unit's)."""
     pool = compact_streamed.POOL
     grad = job.grads[unit.at].view(-1)[unit.start:unit.end]
-    group = job.owner._opt.param_groups[unit.group]  # (as the step found it: see _compact_rows)
+    group = job.owner.param_groups[unit.group]  # (as the step found it: see _compact_rows)
     step = job.plan.steps[unit.at]
     if not ring.is_async:  # (tests on the CPU: the host state updated in place)
         compact_streamed.update(unit, unit.host, grad, coeffs, found, step, group)

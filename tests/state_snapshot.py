@@ -20,7 +20,7 @@ def snapshot(opt) -> tuple:
         copy.deepcopy(opt.state_dict()),
         [copy.deepcopy(dict(inner.state[p])) if p in inner.state else None
          for g in inner.param_groups for p in g["params"]],
-        [s.master.clone() for s in opt._slots] if host is not None else [],
+        [s.master.clone() for s in opt.engine.slots] if host is not None else [],
     )
 
 

@@ -139,7 +139,7 @@ def test_unusable_state_assigned_by_hand_is_a_clear_error_changing_nothing(case,
 
     monkeypatch.setattr(streamed, "_ON_CPU", streaming)
     (ref_model, ref), (ours_model, ours) = _twins()
-    assert (ours._streamed is not None) == streaming
+    assert ours.engine.streams == streaming
     probe_model = copy.deepcopy(ref_model)
     probe = torch.optim.AdamW(probe_model.parameters(), lr=LR, fused=True)
     _step(probe_model, probe, 0)
@@ -174,7 +174,7 @@ def test_amsgrad_switched_on_after_steps_is_a_clear_error_changing_nothing(strea
 
     monkeypatch.setattr(streamed, "_ON_CPU", streaming)
     (ref_model, ref), (ours_model, ours) = _twins()
-    assert (ours._streamed is not None) == streaming
+    assert ours.engine.streams == streaming
     for model, opt in ((ref_model, ref), (ours_model, ours)):
         _step(model, opt, 0)
         opt.param_groups[0]["amsgrad"] = True
@@ -188,7 +188,7 @@ def test_amsgrad_switched_on_after_steps_is_a_clear_error_changing_nothing(strea
         for i in (2, 3):
             _step(model, opt, i)
     _assert_same(ref_model, ref, ours_model, ours)
-    assert (ours._streamed is not None) == streaming
+    assert ours.engine.streams == streaming
 
 
 # ---------------------------------------------------------------- param_groups edits

@@ -253,7 +253,7 @@ def test_a_change_while_an_early_returning_step_still_writes_weights_is_refused(
         opt.finish_step()
     # Afterwards the optimizer follows the weight as it is (zeros, or the new weight if
     # that landed after the edit).
-    assert torch.equal(opt._slots[model[2].weight].master, model[2].weight.detach())
+    assert torch.equal(opt.engine.slots[model[2].weight].master, model[2].weight.detach())
 
 
 def test_a_change_after_overlap_next_step_is_refused():

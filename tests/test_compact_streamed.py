@@ -51,7 +51,7 @@ def build(streamed_on: bool, monkeypatch, **kw):
     monkeypatch.setattr(streamed, "ENABLED", streamed_on)
     model = make_model()
     opt = CPUOffloadOptimizer(model.parameters(), **dict(KW, **kw))
-    assert (opt._streamed is not None) == streamed_on
+    assert opt.engine.streams == streamed_on
     return model, opt
 
 
@@ -85,7 +85,7 @@ def test_streamed_compact_is_the_host_update_bit_for_bit(monkeypatch, min_8bit_s
     assert {float(e["step"]) for e in state.values()} == {5.0}
     exact = [e for e in state.values() if "exp_avg_absmax" not in e]
     assert len(exact) == (4 if min_8bit_size else 0)  # three biases and the 64x4 head
-    units = next(iter(opt._streamed._plans.values())).units
+    units = next(iter(opt.engine._plans.values())).units
     assert any(u.start > 0 for u in units), "the 64x96 weight goes in ranges"
 
 
@@ -238,7 +238,7 @@ def test_in_backward_is_the_host_update_bit_for_bit(monkeypatch):
         monkeypatch.setattr(streamed, "ENABLED", streamed_on)
         model = make_model()
         optims = _in_bwd(model, lambda ps: CPUOffloadOptimizer(ps, **KW))
-        assert all((o._streamed is not None) == streamed_on for o in optims.values())
+        assert all(o.engine.streams == streamed_on for o in optims.values())
         _backward_only(model, 4, nonfinite_at=2)
         for o in optims.values():
             o.finish_step()
@@ -290,7 +290,7 @@ def test_gpu_streamed_compact_has_the_host_updates_bits(monkeypatch, master):
         kw = dict(master=master, min_8bit_size=min_8bit_size)
         cpu_model, cpu_opt = _stepped_with_given_grads("cpu", 5, monkeypatch, **kw)
         model, opt = _stepped_with_given_grads("cuda", 5, monkeypatch, **kw)
-        assert opt._streamed is not None and opt._streamed._compact
+        assert opt.engine.streams and opt.engine._compact
         assert all(t.is_pinned() for e in opt.state.values() for k, t in e.items() if k != "step")
         cpu_state, state = cpu_opt.state_dict()["state"], opt.state_dict()["state"]
         for (index, entry), p, q in zip(cpu_state.items(), [p for p in model.parameters() if p.requires_grad],
@@ -312,7 +312,7 @@ def test_gpu_streamed_compact_in_backward_is_the_same_as_after_backward(monkeypa
     monkeypatch.setattr(streamed, "FLUSH_NUMEL", 5000)
     model = make_model().cuda()
     optims = _in_bwd(model, lambda ps: CPUOffloadOptimizer(ps, **KW))
-    assert all(o._streamed is not None and o._streamed._compact for o in optims.values())
+    assert all(o.engine.streams and o.engine._compact for o in optims.values())
     ref_model = make_model().cuda()
     ref = CPUOffloadOptimizer(ref_model.parameters(), **KW)
     _backward_only(model, 4)

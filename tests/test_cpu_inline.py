@@ -56,7 +56,7 @@ def test_cpu_parameters_update_in_the_training_thread_exactly(cpu_inline, option
     train(ours_model, ours, 3, clip=1.0, via_optimizer=options.get("offload_gradients", False))
     assert_same_params(ours_model, ref_model, exact=not options.get("master_weights"))
     assert _host_threads() == before
-    assert ours._worker.inline and ours._worker.busy_s > 0
+    assert ours.engine.worker.inline and ours.engine.worker.busy_s > 0
 
 
 @pytest.mark.parametrize("clipping,early", [(False, False), (True, False), (False, True)],
@@ -86,7 +86,7 @@ def test_cpu_parameters_in_backward_inline_match_torch(cpu_inline):
             x, y = batch(step, 0, "cpu")
             ((m(x) - y) ** 2).sum().backward()
     assert_same_params(model, ref_model, exact=True)
-    assert all(o._worker.inline for o in ours.values())
+    assert all(o.engine.worker.inline for o in ours.values())
 
 
 
@@ -101,7 +101,7 @@ def test_cpu_parameters_delayed_update_inline_is_the_threaded_result(cpu_inline,
     inline.finish_step()
     monkeypatch.setattr(process, "_INLINE_ON_CPU", False)
     threaded = offload(threaded_model, lr=1e-2, offload_gradients=True, delayed_update=True)
-    assert not threaded._worker.inline
+    assert not threaded.engine.worker.inline
     _overlapped(threaded_model, threaded, 4)
     threaded.finish_step()
     assert_same_params(inline_model, threaded_model, exact=True)

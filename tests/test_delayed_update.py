@@ -135,17 +135,17 @@ def test_nonfinite_gradient_judged_in_the_jobs_spares_its_parameter(caplog):
     opt.overlap_next_step(grad_scale=0.5)
     x, y = batch(1, 0, "cpu")
     ((model(x) - y) ** 2).sum().backward()
-    bad = opt._slots[trainable(model)[0]]
+    bad = opt.engine.slots[trainable(model)[0]]
     bad.grad.view(-1)[0] = float("nan")  # arrived on the host
     before = {k: v.clone() for k, v in opt.state[trainable(model)[0]].items()}
-    others = [opt._slots[p].master.clone() for p in trainable(model)[1:]]
+    others = [opt.engine.slots[p].master.clone() for p in trainable(model)[1:]]
     opt.step()  # returns at once; the update runs in the background
     opt.zero_grad()
     with caplog.at_level("WARNING"):
         opt.state_dict()  # completes the pending update
     after = opt.state[trainable(model)[0]]
     assert all(torch.equal(before[k], after[k]) for k in before)
-    assert all(not torch.equal(a, opt._slots[p].master) for a, p in zip(others, trainable(model)[1:]))
+    assert all(not torch.equal(a, opt.engine.slots[p].master) for a, p in zip(others, trainable(model)[1:]))
     assert "1 parameters had an inf or NaN gradient" in caplog.text
 
 

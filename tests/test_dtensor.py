@@ -192,7 +192,7 @@ def _check_matches_adamw(rank, clip):
         model = _sharded(base)
         opt = _offload(model, offload_gradients=offload_gradients)
         # Each rank holds its own shard on the host: 3+2 rows on rank 0 of the 5-row layer.
-        assert [tuple(s.master.shape) for s in opt._slots.in_order(opt._params())][:2] == ([(3, 4), (3,)] if rank == 0 else [(2, 4), (2,)])
+        assert [tuple(s.master.shape) for s in opt.engine.slots.in_order(opt.engine.params())][:2] == ([(3, 4), (3,)] if rank == 0 else [(2, 4), (2,)])
         norms = _train(model, opt, 3, rank, clip, overlap=overlap)
         for got, twin_p, ref_p in zip(_full(model), _full(twin), _full(reference)):
             if cuda and clip is not None:
@@ -334,7 +334,7 @@ def _check_qlora(rank, clip):
         fully_shard(layer)
     fully_shard(sharded)
     opt = CPUOffloadOptimizer(sharded.parameters(), lr=LR, weight_decay=WD, offload_gradients=True)
-    assert len(opt._slots) == 4  # the adapters; the NF4 weights were dropped
+    assert len(opt.engine.slots) == 4  # the adapters; the NF4 weights were dropped
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, weight_decay=WD)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):

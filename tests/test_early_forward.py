@@ -54,12 +54,12 @@ def test_early_forward_gives_the_same_bits(device, dtype, master_weights, accum,
     ref, opt = offload(ref_model, **kwargs), offload(model, **kwargs)
     want = _steps(ref_model, ref, 4, accum, clip, early=False)
     got = _steps(model, opt, 4, accum, clip, early=True)
-    assert opt._returned_early is not None  # the last step returned before its updates were done
+    assert opt.engine.returned_early is not None  # the last step returned before its updates were done
     opt.finish_step()
     assert got == want
     assert_same_params(ref_model, model, exact=True)
     for p, rp in zip(trainable(model), trainable(ref_model)):
-        torch.testing.assert_close(opt._slots[p].master, ref._slots[rp].master, rtol=0, atol=0)
+        torch.testing.assert_close(opt.engine.slots[p].master, ref.engine.slots[rp].master, rtol=0, atol=0)
         for key in ("exp_avg", "exp_avg_sq"):
             torch.testing.assert_close(opt.state[p][key], ref.state[rp][key], rtol=0, atol=0)
 
@@ -107,14 +107,14 @@ def test_step_returns_before_the_updates_and_the_next_forward_waits_for_them(mon
     ref_model, ref, model, opt = _reference_stepped_and_twin()
 
     held = _HeldUpdates(monkeypatch)
-    opt._worker.submit(lambda: held.release.wait(30))  # no update starts before step()
+    opt.engine.worker.submit(lambda: held.release.wait(30))  # no update starts before step()
     _announced_step(model, opt)  # returns although no update can run yet
-    assert opt._returned_early is not None and held.order == []
+    assert opt.engine.returned_early is not None and held.order == []
     # The updates may proceed only after the forward below has started: it must wait.
     threading.Timer(0.3, held.release.set).start()
     probe, _ = batch(2, 0, "cpu")
     torch.testing.assert_close(model(probe), ref_model(probe), rtol=0, atol=0)
-    assert opt._returned_early is None  # every weight was waited for: the step is finished
+    assert opt.engine.returned_early is None  # every weight was waited for: the step is finished
     # What was left after backward was updated in forward (parameter) order.
     assert held.order == sorted(held.order) and len(held.order) == len(trainable(model))
 
@@ -127,7 +127,7 @@ def test_backlog_left_after_backward_is_updated_in_forward_order(early, monkeypa
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
     opt = offload(model, lr=1e-2, offload_gradients=True)
     held = _HeldUpdates(monkeypatch)
-    opt._worker.submit(lambda: held.release.wait(30))  # nothing runs before step()
+    opt.engine.worker.submit(lambda: held.release.wait(30))  # nothing runs before step()
     opt.overlap_next_step(grad_scale=0.25, early_forward=early)
     model(torch.randn(4, 8)).square().sum().backward()
     threading.Timer(0.2, held.release.set).start()
@@ -146,11 +146,11 @@ def test_during_backward_the_newest_gradient_is_updated_first(early, monkeypatch
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(6)])
     opt = offload(model, lr=1e-2, offload_gradients=True)
     held = _HeldUpdates(monkeypatch)
-    opt._worker.submit(lambda: held.release.wait(30))
+    opt.engine.worker.submit(lambda: held.release.wait(30))
     opt.overlap_next_step(grad_scale=0.25, early_forward=early)
     model(torch.randn(4, 8)).square().sum().backward()
     held.release.set()
-    opt._worker.drain()  # every update ran before step(): all of them "during backward"
+    opt.engine.worker.drain()  # every update ran before step(): all of them "during backward"
     newest_first = list(range(12))  # all landed (CPU copies are synchronous): forward order
     assert held.order == (newest_first if early else newest_first[::-1])
     opt.step()
@@ -248,7 +248,7 @@ def test_a_failed_update_surfaces_from_the_next_forward(monkeypatch):
     _announced_step(model, opt)
     with pytest.raises(HostUpdateError, match="injected host-update failure"):
         model(batch(2, 0, "cpu")[0])
-    assert opt._returned_early is None
+    assert opt.engine.returned_early is None
 
 
 def test_state_dict_and_saving_wait_for_the_step(monkeypatch):
@@ -258,7 +258,7 @@ def test_state_dict_and_saving_wait_for_the_step(monkeypatch):
     _announced_step(model, opt)
     threading.Timer(0.3, held.release.set).start()
     got, want = opt.state_dict(), ref.state_dict()
-    assert opt._returned_early is None
+    assert opt.engine.returned_early is None
     for index, state in want["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(got["state"][index][key], value, rtol=0, atol=0)

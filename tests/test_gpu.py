@@ -27,7 +27,7 @@ def test_host_buffers_are_pinned(monkeypatch):
     asynchronously (the streamed update keeps neither: its moments, test_streamed_gpu.py)."""
     monkeypatch.setattr(streamed, "ENABLED", False)
     opt = offload(_wide_model())
-    for slot in opt._slots:
+    for slot in opt.engine.slots:
         assert slot.master.is_pinned() and slot.grad.is_pinned()
         assert slot.master.device.type == "cpu"
 
@@ -204,8 +204,8 @@ def test_stock_lora_recipes_plain_step_judges_on_the_way_from_the_first_step(mon
     checked = Scaling.step_is_finite
 
     def separate_check(self, grads, meshes):
-        separate.append((step, len(opt._grads.copy_batches(opt._slots.in_order(opt._params()))),
-                         self.finite.finite(grads), opt._device_share, opt._slots.sharded))
+        separate.append((step, len(opt.engine.grads.copy_batches(opt.engine.slots.in_order(opt.engine.params()))),
+                         self.finite.finite(grads), opt.engine.device_share, opt.engine.slots.sharded))
         return checked(self, grads, meshes)
 
     monkeypatch.setattr(Scaling, "step_is_finite", separate_check)

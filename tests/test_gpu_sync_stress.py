@@ -100,7 +100,7 @@ def test_gpu_torchao_offload_scenario_is_the_matching_torch_adamw_bit_for_bit(mo
         base = _model(seed)
         ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
         opt = CPUOffloadOptimizer(model.parameters(), **MODES[mode])
-        assert (opt._streamed is not None) == (mode == "default")
+        assert opt.engine.streams == (mode == "default")
         if mode == "default":
             ref = scheduled = torch.optim.AdamW(ref_model.parameters(), fused=True)
         else:

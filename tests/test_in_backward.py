@@ -37,11 +37,11 @@ def test_optimizer_in_backward_matches_torch_adamw_stepped_the_same_way(device, 
         ref_model = ref_model.cpu()
     _in_bwd(ref_model, lambda ps: torch.optim.AdamW(ps, fused=fused, **KW))
     ours = _in_bwd(model, lambda ps: CPUOffloadOptimizer(ps, fused=fused, offload_gradients=offload_gradients, **KW))
-    assert len({id(o._worker) for o in ours.values()}) == 1  # one host worker for all
+    assert len({id(o.engine.worker) for o in ours.values()}) == 1  # one host worker for all
     _train(ref_model, 3, "cpu")
     _train(model, 3, device)
     for o in ours.values():
-        assert o._in_backward == []  # the backward's end waited for every update
+        assert o.engine.in_backward == []  # the backward's end waited for every update
     if device == "cpu":
         assert_same_params(ref_model, model, exact=True)
     else:
@@ -69,7 +69,7 @@ def test_step_in_backward_returns_before_its_update_is_done(monkeypatch):
     monkeypatch.setattr(host_update, "update_slots", held)
     _train(model, 1, "cpu")
     assert started and release.is_set()
-    assert all(o._in_backward == [] for o in ours.values())
+    assert all(o.engine.in_backward == [] for o in ours.values())
 
 
 def test_a_nonfinite_gradient_in_backward_spares_that_parameter(caplog):

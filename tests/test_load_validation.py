@@ -48,7 +48,7 @@ def _fresh(model, **kwargs):
 def _snapshot(model, opt):
     sd = opt.state_dict()
     return ([p.detach().clone() for p in model.parameters()],
-            [s.master.clone() for s in opt._slots],
+            [s.master.clone() for s in opt.engine.slots],
             copy.deepcopy(sd["state"]), copy.deepcopy(sd["param_groups"]))
 
 

@@ -176,7 +176,7 @@ def test_frozen_base_weights_get_no_hooks():
     """offload_gradients hooks only trainable tensors (hooking a frozen one raises in torch)."""
     model = make_model()
     opt = CPUOffloadOptimizer(model.parameters(), offload_gradients=True)
-    assert len(opt._hooks) == 4
+    assert len(opt.engine._hooks) == 4
 
 
 def test_no_trainable_parameters_raises():
@@ -218,9 +218,9 @@ def test_offload_gradients_frees_device_grads_and_accumulates():
         ((model(x) - y) ** 2).sum().backward()
         ((ref_model(x) - y) ** 2).sum().backward()
         assert all(p.grad is None for p in model.parameters())
-    opt._settled_host_grads()
+    opt.engine.settled_host_grads()
     for p, ref_p in zip(trainable(model), trainable(ref_model)):
-        torch.testing.assert_close(opt._slots[p].grad, ref_p.grad, rtol=0, atol=0)
+        torch.testing.assert_close(opt.engine.slots[p].grad, ref_p.grad, rtol=0, atol=0)
 
 
 def test_hyperparameter_change_takes_effect_next_step():
@@ -339,7 +339,7 @@ def test_fused_path_is_bitwise_torch_fused_adamw_across_chunks(dtype, monkeypatc
         ref.step()
         opt.zero_grad()
     for p, rp in zip(model.parameters(), ref_model.parameters()):
-        torch.testing.assert_close(opt._slots[p].master, rp.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(opt.engine.slots[p].master, rp.detach(), rtol=0, atol=0)
         torch.testing.assert_close(p, rp.detach().to(dtype), rtol=0, atol=0)
 
 
@@ -360,7 +360,7 @@ def test_overlap_next_step_matches_scale_then_step(name, monkeypatch):
                 opt.overlap_next_step(grad_scale=1.0 / 24)  # 3 micro-batches of 8 rows
             x, y = batch(step, micro, "cpu")
             ((model(x) - y) ** 2).sum().backward()
-        opt._worker.drain()
+        opt.engine.worker.drain()
         # Already updated before step() is called: the work ran alongside backward.
         assert not any(torch.equal(a, b) for a, b in zip(before, trainable(model)))
         opt.step()
@@ -389,7 +389,7 @@ def test_overlap_next_step_with_bf16_gradients_rounds_the_scale_as_scale_grads(m
         opt.zero_grad()
     assert_same_params(ref_model, model, exact=True)
     for p, rp in zip(trainable(model), trainable(ref_model)):
-        torch.testing.assert_close(opt._slots[p].master, ref._slots[rp].master, rtol=0, atol=0)
+        torch.testing.assert_close(opt.engine.slots[p].master, ref.engine.slots[rp].master, rtol=0, atol=0)
 
 
 def _clipped_steps(model, opt, steps, accum, clip, announce, second_clip=None):
@@ -406,8 +406,8 @@ def _clipped_steps(model, opt, steps, accum, clip, announce, second_clip=None):
                 opt.overlap_next_step(grad_scale=1.0 / (8 * accum), clipping=True)  # 8 rows a micro-batch
             ((model(x) - y) ** 2).sum().backward()
         if announce and host_worker.BATCH_NUMEL == 0:  # the worker scaled and normed
-            opt._worker.drain()                          # every gradient during backward
-            assert len(opt._scaling.clip_norms.norms) == len(trainable(model))
+            opt.engine.worker.drain()                          # every gradient during backward
+            assert len(opt.engine.scaling.clip_norms.norms) == len(trainable(model))
         if not announce:
             opt.scale_grads(torch.tensor(1.0 / rows))
         norms.append(opt.clip_grad_norm_(clip))
@@ -441,7 +441,7 @@ def test_clipped_step_announced_with_overlap_next_step_is_exact(dtype, master_we
     assert (max(n.item() for n in want) > clip) == (clip < 1)  # the small clip does clip
     assert_same_params(ref_model, model, exact=True)
     # The mode ends with its step.
-    assert opt._scaling.clip_coef is None and opt._scaling.clip_norms is None
+    assert opt.engine.scaling.clip_coef is None and opt.engine.scaling.clip_norms is None
 
 
 def test_clipping_announced_with_mixed_dtypes_sums_norms_in_torchs_order():
@@ -510,8 +510,8 @@ def test_small_parameters_reach_the_worker_in_batches(overlap, monkeypatch):
     opt = CPUOffloadOptimizer(params, lr=1e-2, offload_gradients=True)
     ref = reference(torch.optim.AdamW, ref_params, lr=1e-2)
     jobs = []
-    submit = opt._worker.submit
-    monkeypatch.setattr(opt._worker, "submit", lambda job, urgent=False: (jobs.append(job), submit(job, urgent)))
+    submit = opt.engine.worker.submit
+    monkeypatch.setattr(opt.engine.worker, "submit", lambda job, urgent=False: (jobs.append(job), submit(job, urgent)))
     for step in range(3):
         for ps, o in ((params, opt), (ref_params, ref)):
             if o is opt and overlap:
@@ -659,7 +659,7 @@ def test_host_buffers_and_state_are_backed_by_huge_pages():
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
-    slot = opt._slots[params[0]]
+    slot = opt.engine.slots[params[0]]
     state = opt.state[params[0]]
     assert _huge_page_kib(plain) == 0  # the control: no advice, no huge pages
     for tensor in (slot.master, slot.grad, state["exp_avg"], state["exp_avg_sq"]):

@@ -21,7 +21,7 @@ FRACTION = 0.9  # the model's first weight and bias (1,056 of 1,188 trainable el
 
 
 def _kept(opt):
-    return [p for p in trainable_params(opt) if p not in opt._slots]
+    return [p for p in trainable_params(opt) if p not in opt.engine.slots]
 
 
 def trainable_params(opt):
@@ -37,7 +37,7 @@ def test_keeps_the_leading_parameters_up_to_the_fraction(caplog):
     assert _kept(opt) == params[:2]
     assert "and 2 (1,056 elements) on the device" in caplog.text
     assert "device_fraction=" in repr(opt)
-    assert [p for p in params if p in opt._slots] == params[2:]
+    assert [p for p in params if p in opt.engine.slots] == params[2:]
     # A fraction smaller than the first tensor keeps nothing on the device.
     assert _kept(offload(make_model(), device_fraction=0.01, **KW)) == []
 
@@ -90,7 +90,7 @@ def test_bf16_with_masters_equals_full_offload(overlap):
     assert_same_params(a, b, exact=True)
     kept = _kept(part)[0]
     assert part.state_dict()["state"][0]["master_weight"].dtype == torch.float32
-    assert torch.equal(part._device_share.master(kept).to(torch.bfloat16), kept.detach())
+    assert torch.equal(part.engine.device_share.master(kept).to(torch.bfloat16), kept.detach())
 
 
 def test_state_dict_is_torchs_layout_and_resumes_exactly(tmp_path):
@@ -156,7 +156,7 @@ def test_with_delayed_update_the_device_share_updates_at_once():
     for p, b in zip(trainable(model), before):
         if id(p) in on_device:
             assert not torch.equal(p.detach(), b)
-    opt._worker.drain()
+    opt.engine.worker.drain()
     assert all(torch.equal(p.detach(), b) for p, b in zip(trainable(model), before) if id(p) not in on_device)
     opt.state_dict()  # completes the delayed host update
     assert not any(torch.equal(p.detach(), b) for p, b in zip(trainable(model), before))

@@ -14,7 +14,7 @@ import offload_plugin
 import offload_plugin.gradients as gradients
 import offload_plugin.grad_checks as grad_checks
 import offload_plugin.host_update as host_update
-import offload_plugin.optimizer as optimizer_module
+import offload_plugin.engine as engine_module
 from offload_plugin import CPUOffloadOptimizer
 from offload_plugin.host_worker import HostUpdateError
 from reference_twin import assert_same_params, batch, make_model, offload, reference, train, trainable, twins
@@ -22,7 +22,7 @@ from reference_twin import assert_same_params, batch, make_model, offload, refer
 
 def _snapshot(opt):
     """Every host tensor the optimizer owns, copied."""
-    return copy.deepcopy(opt.state_dict()), [s.master.clone() for s in opt._slots]
+    return copy.deepcopy(opt.state_dict()), [s.master.clone() for s in opt.engine.slots]
 
 
 def _assert_unchanged(opt, snap):
@@ -121,7 +121,7 @@ def test_nonfinite_during_overlapped_updates_spares_that_parameter(value, caplog
     opt = offload(model, lr=1e-2, offload_gradients=True)
     train(model, opt, 1, via_optimizer=True)
     bad = model[2].weight
-    master, state = opt._slots[bad].master.clone(), copy.deepcopy(opt.state[bad])
+    master, state = opt.engine.slots[bad].master.clone(), copy.deepcopy(opt.state[bad])
     _poison_next_backward(model, value)
     opt.overlap_next_step(grad_scale=0.1)
     x, y = batch(5, 0, "cpu")
@@ -130,7 +130,7 @@ def test_nonfinite_during_overlapped_updates_spares_that_parameter(value, caplog
         ((model(x) - y) ** 2).sum().backward()
         opt.step()
     assert "1 parameters had an inf or NaN gradient" in caplog.text
-    torch.testing.assert_close(opt._slots[bad].master, master, rtol=0, atol=0)
+    torch.testing.assert_close(opt.engine.slots[bad].master, master, rtol=0, atol=0)
     torch.testing.assert_close(opt.state[bad]["exp_avg"], state["exp_avg"], rtol=0, atol=0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert scanned == []  # no pass over a gradient: its two extremes are read directly
@@ -143,7 +143,7 @@ def test_overlapped_update_checks_the_accumulated_sum_not_the_last_micro_batch(c
     opt = offload(model, lr=1e-2, offload_gradients=True)
     train(model, opt, 1, via_optimizer=True)
     bad = model[2].weight
-    master = opt._slots[bad].master.clone()
+    master = opt.engine.slots[bad].master.clone()
     _poison_next_backward(model)
     x, y = batch(5, 0, "cpu")
     ((model(x) - y) ** 2).sum().backward()  # first micro-batch: carries the inf
@@ -152,7 +152,7 @@ def test_overlapped_update_checks_the_accumulated_sum_not_the_last_micro_batch(c
         ((model(x) - y) ** 2).sum().backward()
         opt.step()
     assert "1 parameters had an inf or NaN gradient" in caplog.text
-    torch.testing.assert_close(opt._slots[bad].master, master, rtol=0, atol=0)
+    torch.testing.assert_close(opt.engine.slots[bad].master, master, rtol=0, atol=0)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -227,7 +227,7 @@ def test_failure_in_transfer_surfaces(overlap, monkeypatch):
     def broken(pairs, *args, **kwargs):
         raise RuntimeError("injected transfer failure")
 
-    monkeypatch.setattr(opt._transfers, "to_device", broken)
+    monkeypatch.setattr(opt.engine.transfers, "to_device", broken)
     if overlap:
         opt.overlap_next_step(grad_scale=1.0)
     x, y = batch(0, 0, "cpu")
@@ -334,7 +334,7 @@ def test_host_memory_preflight_refuses_before_allocating(monkeypatch):
 
     monkeypatch.setattr(host_memory, "available_bytes", lambda: (1000, "the cgroup limit in test"))
     allocations = []
-    monkeypatch.setattr(optimizer_module, "build_slots", lambda *a: allocations.append(a) or [])
+    monkeypatch.setattr(engine_module, "build_slots", lambda *a: allocations.append(a) or [])
     model = make_model(dtype=torch.bfloat16)
     with pytest.raises(HostMemoryError) as info:
         CPUOffloadOptimizer(model.parameters(), master_weights=True)
@@ -527,7 +527,7 @@ def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(d
     model = copy.deepcopy(ref_model)
     ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
     ours = offload(model, lr=1e-2, offload_gradients=True, delayed_update=delayed)
-    for slot in ours._slots:
+    for slot in ours.engine.slots:
         slot.settle_lock = RecordingLock(slot)
     train(ref_model, ref, 3, accum=3)
     for step in range(3):
@@ -571,7 +571,7 @@ def test_second_backward_after_announcing_the_last_is_refused(mode):
     # Let the weights this backward's updates (or, delayed, the last step's) send back land
     # first: one copied in between the next forward and its backward would make autograd
     # refuse that backward itself (a weight modified in place), before our check runs.
-    opt._worker.drain()
+    opt.engine.worker.drain()
     with pytest.raises(RuntimeError, match="LAST backward"):
         ((model(x) - y) ** 2).sum().backward()
 
@@ -583,8 +583,8 @@ def test_optimizers_of_a_process_share_one_host_worker_and_stay_exact():
     ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2, fused=True)
     per_param = [CPUOffloadOptimizer([p], lr=1e-2, fused=True, offload_gradients=True)
                  for p in trainable(model)]
-    assert len({id(o._worker) for o in per_param}) == 1
-    assert len({id(o._transfers) for o in per_param}) == 1
+    assert len({id(o.engine.worker) for o in per_param}) == 1
+    assert len({id(o.engine.transfers) for o in per_param}) == 1
     for step in range(3):
         for m, opts in ((ref_model, [ref]), (model, per_param)):
             x, y = batch(step, 0, "cpu")

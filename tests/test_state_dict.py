@@ -145,7 +145,7 @@ def test_checkpoint_without_master_weights_starts_from_device_weights():
     train(model, plain, 2)
     opt.load_state_dict(plain.state_dict())
     for p in trainable(model):
-        assert torch.equal(opt._slots[p].master, p.float())
+        assert torch.equal(opt.engine.slots[p].master, p.float())
 
 
 def test_a_load_into_a_trained_optimizer_continues_from_the_loaded_state():

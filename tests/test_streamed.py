@@ -31,7 +31,7 @@ def test_matches_torch_fused_adam_bit_for_bit(dtype, cls):
     weights, losses and state as torch's fused kernel; some parameters go in ranges, the
     small ones packed."""
     ref_model, ref, model, opt, ref_run, run = trained_in_two_groups("cpu", dtype, cls, **KW)
-    assert opt._streamed is not None
+    assert opt.engine.streams
     assert_same_params(ref_model, model, exact=True)
     assert run == ref_run
     ours, theirs = opt.state_dict(), ref.state_dict()
@@ -40,7 +40,7 @@ def test_matches_torch_fused_adam_bit_for_bit(dtype, cls):
         assert entry.keys() == ours["state"][index].keys()
         for key, value in entry.items():
             assert torch.equal(ours["state"][index][key], value), (index, key)
-    units = next(iter(opt._streamed._plans.values())).units
+    units = next(iter(opt.engine._plans.values())).units
     assert any(len(u.items) > 1 for u in units), "small neighbours share one unit"
     assert any(u.items[0][1] > 0 for u in units), "a larger parameter goes in ranges"
 
@@ -116,7 +116,7 @@ def test_optimizer_in_backward_matches_torch_stepped_the_same_way(monkeypatch, f
         for m in (ref_model, model):
             x, y = batch(step, 0, "cpu")
             ((m(x) - y) ** 2).sum().backward()
-    assert all(o._streamed is not None for o in ours.values())
+    assert all(o.engine.streams for o in ours.values())
     assert_same_params(ref_model, model, exact=True)
 
 
@@ -140,11 +140,11 @@ def test_settings_torch_has_no_device_kernel_for_use_the_host_update():
     """amsgrad, master weights, offloaded gradients, other optimizers: the host update
     (bit for bit as before); a group added later without streaming turns it off for all."""
     model = make_model()
-    assert CPUOffloadOptimizer(model.parameters(), amsgrad=True)._streamed is None
-    assert CPUOffloadOptimizer(model.parameters(), master_weights=True)._streamed is None
-    assert CPUOffloadOptimizer(model.parameters(), offload_gradients=True)._streamed is None
-    assert CPUOffloadOptimizer(model.parameters(), fused=False)._streamed is None
-    assert CPUOffloadOptimizer(model.parameters(), optimizer_cls=torch.optim.SGD, lr=0.1)._streamed is None
+    assert not CPUOffloadOptimizer(model.parameters(), amsgrad=True).engine.streams
+    assert not CPUOffloadOptimizer(model.parameters(), master_weights=True).engine.streams
+    assert not CPUOffloadOptimizer(model.parameters(), offload_gradients=True).engine.streams
+    assert not CPUOffloadOptimizer(model.parameters(), fused=False).engine.streams
+    assert not CPUOffloadOptimizer(model.parameters(), optimizer_cls=torch.optim.SGD, lr=0.1).engine.streams
 
     ref_model, model = twins()
     layers = [ref_model[2], ref_model[4]], [model[2], model[4]]
@@ -152,10 +152,10 @@ def test_settings_torch_has_no_device_kernel_for_use_the_host_update():
     opt = CPUOffloadOptimizer(layers[1][0].parameters(), **KW)
     train(ref_model, ref, 2)
     train(model, opt, 2)
-    assert opt._streamed is not None
+    assert opt.engine.streams
     ref.add_param_group({"params": list(layers[0][1].parameters()), "amsgrad": True})
     opt.add_param_group({"params": list(layers[1][1].parameters()), "amsgrad": True})
-    assert opt._streamed is None
+    assert not opt.engine.streams
     train(ref_model, ref, 2, start=2)
     train(model, opt, 2, start=2)
     assert_same_params(ref_model, model, exact=True)
@@ -184,7 +184,7 @@ def test_checkpoints_move_between_the_streamed_and_the_host_update(monkeypatch):
     def build(model, streaming):
         monkeypatch.setattr(streamed, "ENABLED", streaming)
         opt = CPUOffloadOptimizer(model.parameters(), **KW)
-        assert (opt._streamed is not None) == streaming
+        assert opt.engine.streams == streaming
         return opt
 
     whole = make_model(dtype=torch.bfloat16)
@@ -311,7 +311,7 @@ def test_wrongly_shaped_moment_assigned_by_hand_is_refused_changing_nothing():
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).to(torch.bfloat16)
     opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2)
-    assert opt._streamed is not None
+    assert opt.engine.streams
     for _ in range(2):
         model(torch.randn(3, 8, dtype=torch.bfloat16)).sum().backward()
         opt.step()
@@ -356,7 +356,7 @@ def test_step_count_edited_after_a_group_was_added():
     ref_first, ref_second = copy.deepcopy(first), copy.deepcopy(second)
     opt = CPUOffloadOptimizer(first.parameters(), lr=1e-2)
     ref = torch.optim.AdamW(ref_first.parameters(), lr=1e-2, fused=True)
-    assert opt._streamed is not None
+    assert opt.engine.streams
 
     def step(a, b, o, i):
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(i))

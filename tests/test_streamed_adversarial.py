@@ -35,7 +35,7 @@ def _twins(params=lambda m: m.parameters(), **kwargs):
     ours_model = copy.deepcopy(ref_model)
     ref = torch.optim.AdamW(params(ref_model), fused=True, **kwargs)
     ours = CPUOffloadOptimizer(params(ours_model), **kwargs)
-    assert ours._streamed is not None
+    assert ours.engine.streams
     return (ref_model, ref), (ours_model, ours)
 
 
@@ -187,7 +187,7 @@ def test_fused_switched_off_between_steps_continues_as_torch(fused, caplog):
                 opt.param_groups[0]["fused"] = fused
             _step(model, opt, i)
     _assert_same(ref_model, ref, ours_model, ours)
-    assert ours._streamed is None
+    assert not ours.engine.streams
     assert "the update runs on the host from now on" in caplog.text
     assert "set param_groups[i]['fused'] = True after loading" in caplog.text
 
@@ -212,7 +212,7 @@ def test_state_dict_of_unfused_adamw_keeps_streaming_when_fused_is_set_back():
     for i in range(2, 5):
         for model, opt in ((ref_model, ref), (ours_model, ours)):
             _step(model, opt, i)
-    assert ours._streamed is not None
+    assert ours.engine.streams
     _assert_same(ref_model, ref, ours_model, ours)
 
 
@@ -305,7 +305,7 @@ def test_parameter_moved_to_another_group_takes_that_groups_hyperparameters(stre
     ours_model = copy.deepcopy(ref_model)
     ref = torch.optim.AdamW(groups(ref_model), lr=LR, fused=True)
     ours = CPUOffloadOptimizer(groups(ours_model), lr=LR)
-    assert (ours._streamed is not None) == streaming
+    assert ours.engine.streams == streaming
     for i in range(5):
         for model, opt in ((ref_model, ref), (ours_model, ours)):
             if i == 2:

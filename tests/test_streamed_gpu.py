@@ -23,7 +23,7 @@ def test_gpu_streamed_update_is_torch_fused_adam_on_the_gpu(monkeypatch, dtype, 
     and the same state, which lives in host memory."""
     monkeypatch.setattr(streamed, "CHUNK_NUMEL", 300)
     ref_model, ref, model, opt, ref_run, run = trained_in_two_groups("cuda", dtype, cls, **KW)
-    assert opt._streamed is not None
+    assert opt.engine.streams
     assert_same_params(ref_model, model, exact=True)
     assert run == ref_run
     ours, theirs = opt.state_dict(), ref.state_dict()
@@ -31,7 +31,7 @@ def test_gpu_streamed_update_is_torch_fused_adam_on_the_gpu(monkeypatch, dtype, 
         for key, value in entry.items():
             assert ours["state"][index][key].device.type == "cpu"
             assert torch.equal(ours["state"][index][key], value.cpu()), (index, key)
-    assert all(s.moments[0].is_pinned() for s in opt._slots)
+    assert all(s.moments[0].is_pinned() for s in opt.engine.slots)
 
 
 def test_gpu_streamed_optimizer_in_backward_is_torch_stepped_the_same_way():

@@ -1,6 +1,7 @@
 """Step schedules of the host update: what one optimizer step does, from the gradients to
-the new weights, when the update runs in host memory. (An optimizer that streams its state
-through the GPU instead, ``offload_plugin.streamed``, steps there and none of these apply.)
+the new weights, when the update runs in host memory (``host_engine``). (The streamed engine,
+``offload_plugin.streamed``, steps on the device and none of these apply.) Each takes the
+host engine and uses its public parts.
 
 Which schedule a step uses is decided here, in :func:`choose_overlap` (for a step that
 ``overlap_next_step`` prepared) and :func:`run_step`, by this table and nothing else:
@@ -40,8 +41,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-import torch
-
 from offload_plugin.schedules import after_backward, delayed, during_backward, early_forward, in_backward
 
 __all__ = ["Overlap", "choose_overlap", "run_step"]
@@ -60,24 +59,24 @@ class Overlap:
     seen: set = dataclasses.field(default_factory=set)  # ids of parameters whose gradient came
 
 
-def choose_overlap(opt, grad_scale: Optional[float], clipping: bool, early: bool) -> Overlap:
+def choose_overlap(engine, grad_scale: Optional[float], clipping: bool, early: bool) -> Overlap:
     """The schedule of the step that follows the next backward (the table above)."""
-    if early and opt.delayed_update:
+    if early and engine.options.delayed_update:
         raise ValueError(
             "overlap_next_step(early_forward=True) does not combine with delayed_update=True, "
             "whose step() returns at once anyway; pass early_forward=False (`early_forward: "
             "False` in our recipes)."
         )
-    if early and opt._slots.sharded:
+    if early and engine.slots.sharded:
         raise ValueError(
             "overlap_next_step(early_forward=True) is not supported with DTensor (FSDP2) "
             "parameters; pass early_forward=False (`early_forward: False` in our recipes)."
         )
-    if opt.delayed_update:
+    if engine.options.delayed_update:
         # The update runs in the background anyway; this backward only tells when each
         # parameter is free to receive its updated weight. Clipping needs nothing here.
         return Overlap("delayed", grad_scale, False, pending_scale=grad_scale)
-    if opt._slots.sharded or (clipping and opt._device_share is not None):
+    if engine.slots.sharded or (clipping and engine.device_share is not None):
         # Sharded: an update that starts during backward must judge its gradient alone,
         # and a NaN on another rank would then be skipped there but applied here. Only the
         # transfers overlap; step() scales by grad_scale, agrees with the other ranks on
@@ -85,50 +84,45 @@ def choose_overlap(opt, grad_scale: Optional[float], clipping: bool, early: bool
         # device share is scaled and normed at clip time.)
         return Overlap("after_backward", grad_scale, early, pending_scale=grad_scale)
     if clipping:
-        opt._scaling.prepare_clipping(opt._worker, opt._grads, grad_scale)
+        engine.scaling.prepare_clipping(engine.worker, engine.grads, grad_scale)
         return Overlap("after_backward", grad_scale, early)
-    during_backward.start(opt, grad_scale, newest_first=early)
+    during_backward.start(engine, grad_scale, newest_first=early)
     return Overlap("during_backward", grad_scale, early)
 
 
-def run_step(opt) -> None:
+def run_step(engine) -> None:
     """step(): the schedule overlap_next_step chose, or the one the options give."""
-    if opt._streamed is not None and not opt._streamed.still_applies():
-        opt._stop_streaming()  # (a group's fused was switched off: the host update from now on)
-    if opt._streamed is not None:  # (never with overlap_next_step: no offloaded gradients)
-        opt._streamed.step(in_backward=torch._C._current_graph_task_id() != -1)
+    if in_backward.applies(engine):
+        in_backward.step(engine)
         return
-    if in_backward.applies(opt):
-        in_backward.step(opt)
+    if engine.options.delayed_update:
+        delayed.step(engine)
         return
-    if opt.delayed_update:
-        delayed.step(opt)
-        return
-    early_forward.finish(opt)
-    opt._ungated = {}
-    overlap = opt._overlap
+    early_forward.finish(engine)
+    engine.ungated = {}
+    overlap = engine.overlap
     early = overlap is not None and overlap.early_forward
     try:
-        plan = opt._running
+        plan = engine.running
         if plan is None:
-            plan = after_backward.start(opt)
+            plan = after_backward.start(engine)
             if plan is None:  # skipped: a gradient was not finite
                 return
-        after_backward.submit_the_rest(opt, plan)
+        after_backward.submit_the_rest(engine, plan)
         if early:
-            early_forward.return_early(opt, plan)
-        opt._updates.flush(plan)
-        after_backward.step_on_device(opt, plan)  # its kernels run while the host finishes
+            early_forward.return_early(engine, plan)
+        engine.updates.flush(plan)
+        after_backward.step_on_device(engine, plan)  # its kernels run while the host finishes
         if not early:
-            opt._worker.drain()
+            engine.worker.drain()
             if overlap is not None and overlap.schedule == "during_backward":
-                during_backward.refuse_changes_during_step(opt, plan)
-            after_backward.report_spared(opt, plan)
+                during_backward.refuse_changes_during_step(engine, plan)
+            after_backward.report_spared(engine, plan)
     finally:
-        opt._running, opt._overlap = None, None
-        opt._scaling.reset()
-        if not opt.offload_gradients:
-            for slot in opt._slots:
+        engine.running, engine.overlap = None, None
+        engine.scaling.reset()
+        if not engine.options.offload_gradients:
+            for slot in engine.slots:
                 slot.has_grad = False
-        if opt._returned_early is None:
-            opt._transfers.order_compute_after(opt._updates.last_push)
+        if engine.returned_early is None:
+            engine.transfers.order_compute_after(engine.updates.last_push)

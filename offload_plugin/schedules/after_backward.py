@@ -19,77 +19,77 @@ from offload_plugin.updates import StepPlan
 __all__ = ["start", "submit_the_rest", "step_on_device", "report_spared"]
 
 
-def start(opt) -> Optional[StepPlan]:
+def start(engine) -> Optional[StepPlan]:
     """The step's plan, with the gradients judged finite or their verdict to come; None if
     the step is skipped."""
-    opt._scaling.warn_if_unscaled(opt.param_groups)
+    engine.scaling.warn_if_unscaled(engine.param_groups)
     # A grad_scale that overlap_next_step left to step() is applied by _grads_in_place.
-    grads = opt._grads_in_place("step()") if opt._overlap is not None else opt._ready_grads()
-    batches = [] if opt.offload_gradients else opt._grads.copy_batches(opt._slots.in_order(opt._params()))
-    if len(batches) == 1 and _judged_on_the_way(opt, grads):
+    grads = engine.grads_in_place("step()") if engine.overlap is not None else engine.ready_grads()
+    batches = [] if engine.options.offload_gradients else engine.grads.copy_batches(engine.slots.in_order(engine.params()))
+    if len(batches) == 1 and _judged_on_the_way(engine, grads):
         # One copy batch (LoRA adapters, a small model): the gradients go to the host now,
         # the device judges them as they leave, and the updates are queued meanwhile; the
         # first to run waits for the verdict (a skipped step's updates change nothing, and
         # report_spared reports it). Weights changed outside the optimizer are taken over
         # at the first submission, as in every step: a skipped step would leave them to
         # the next, with the same result.
-        verdict = opt._grads.copy_at_step(batches, judge=True)
-        plan = _plan(opt)
+        verdict = engine.grads.copy_at_step(batches, judge=True)
+        plan = _plan(engine)
         plan.verdict = verdict
     else:
-        if not opt._scaling.step_is_finite(grads, opt._slots.meshes):
-            opt._scaling.report_skipped_step(grads)
+        if not engine.scaling.step_is_finite(grads, engine.slots.meshes):
+            engine.scaling.report_skipped_step(grads)
             return None
-        opt._grads.copy_at_step(batches)
-        plan = _plan(opt)
-    opt._running = plan
+        engine.grads.copy_at_step(batches)
+        plan = _plan(engine)
+    engine.running = plan
     return plan
 
 
-def _plan(opt) -> StepPlan:
-    return opt._updates.plan(opt.param_groups, grad_scale=None, check_each=False,
-                             clip_coef=opt._scaling.clip_coef)
+def _plan(engine) -> StepPlan:
+    return engine.updates.plan(engine.param_groups, grad_scale=None, check_each=False,
+                             clip_coef=engine.scaling.clip_coef)
 
 
-def _judged_on_the_way(opt, grads: list) -> bool:
+def _judged_on_the_way(engine, grads: list) -> bool:
     """Whether copy_at_step may give the inf/NaN verdict: the plain step of device gradients
     that no scale or clip judged already, all of them copied by it (not those kept on the
     device with device_fraction), on one rank (sharded: the ranks agree first)."""
-    return (not opt.offload_gradients and opt._device_share is None and not opt._slots.sharded
-            and opt._scaling.finite.finite(grads) is None)
+    return (not engine.options.offload_gradients and engine.device_share is None and not engine.slots.sharded
+            and engine.scaling.finite.finite(grads) is None)
 
 
-def submit_the_rest(opt, plan: StepPlan) -> None:
+def submit_the_rest(engine, plan: StepPlan) -> None:
     """Hand every slot with a gradient not yet submitted to the worker."""
     rest = []
-    for slot in opt._slots.in_order(opt._params()):
-        if opt.offload_gradients and slot.param.grad is not None:
-            opt._offload_grad(slot.param)  # set by hand; offloading submits it
+    for slot in engine.slots.in_order(engine.params()):
+        if engine.options.offload_gradients and slot.param.grad is not None:
+            engine.offload_grad(slot.param)  # set by hand; offloading submits it
         elif slot.has_grad and id(slot.master) not in plan.submitted:
             rest.append(slot)
     if rest:
-        opt._submit(plan, rest)
+        engine.submit(plan, rest)
 
 
-def step_on_device(opt, plan: StepPlan) -> None:
+def step_on_device(engine, plan: StepPlan) -> None:
     """Partial offload: update the parameters kept on the device (device_fraction)."""
-    share = opt._device_share
-    grads = share.grads(opt._params()) if share is not None else []
+    share = engine.device_share
+    grads = share.grads(engine.params()) if share is not None else []
     if not grads:
         return
     if plan.check_each and not grad_checks.all_finite(grads):  # no whole-step verdict to reuse
         plan.device_nonfinite = len(grads)
         return
-    share.step(opt.param_groups, plan.grad_scale)
+    share.step(engine.param_groups, plan.grad_scale)
     plan.device_updated = len(grads)
 
 
-def report_spared(opt, plan: StepPlan) -> None:
+def report_spared(engine, plan: StepPlan) -> None:
     """Warn (or raise) about parameters whose non-finite gradients their updates found, or
     about the whole step, skipped by the verdict its updates waited for."""
     if plan.verdict is not None and not plan.verdict():
-        opt._scaling.report_skipped_step(opt._ready_grads())  # (still on the device)
+        engine.scaling.report_skipped_step(engine.ready_grads())  # (still on the device)
         return
     skipped = len(plan.nonfinite) + plan.device_nonfinite
     updated = len(plan.submitted) - len(plan.nonfinite) + plan.device_updated
-    opt._scaling.report_spared(updated, skipped)
+    engine.scaling.report_spared(updated, skipped)

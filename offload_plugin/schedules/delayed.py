@@ -40,54 +40,54 @@ class Pending:
     push_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
-def step(opt) -> None:
+def step(engine) -> None:
     """Finish the previous step's update, then start this one's and return."""
-    overlap = opt._overlap
+    overlap = engine.overlap
     try:
-        finish(opt)
-        if _judge_in_jobs(opt):
+        finish(engine)
+        if _judge_in_jobs(engine):
             # Nothing has read all gradients this step (no scale_grads, no clipping): each
             # job scales its gradient inside the update (overlap_next_step's grad_scale)
             # and checks it first, so the training thread makes no pass over the gradients
             # while the GPU waits for the next forward.
             grad_scale, overlap.pending_scale = overlap.pending_scale, None
-            opt._settled_host_grads()
-            plan = opt._updates.plan(opt.param_groups, grad_scale, check_each=True,
+            engine.settled_host_grads()
+            plan = engine.updates.plan(engine.param_groups, grad_scale, check_each=True,
                                      clip_coef=None, wait_pushes=False)
         else:
-            grads = opt._grads_in_place("step()")
-            opt._scaling.warn_if_unscaled(opt.param_groups)
-            if not opt._scaling.step_is_finite(grads, opt._slots.meshes):
-                opt._scaling.report_skipped_step(grads)
+            grads = engine.grads_in_place("step()")
+            engine.scaling.warn_if_unscaled(engine.param_groups)
+            if not engine.scaling.step_is_finite(grads, engine.slots.meshes):
+                engine.scaling.report_skipped_step(grads)
                 return
-            if not opt.offload_gradients:
-                opt._grads.copy_at_step(opt._grads.copy_batches(opt._slots.in_order(opt._params())))
-            plan = opt._updates.plan(opt.param_groups, grad_scale=None, check_each=False,
+            if not engine.options.offload_gradients:
+                engine.grads.copy_at_step(engine.grads.copy_batches(engine.slots.in_order(engine.params())))
+            plan = engine.updates.plan(engine.param_groups, grad_scale=None, check_each=False,
                                      clip_coef=None, wait_pushes=False)
-        _submit(opt, plan)
-        after_backward.step_on_device(opt, plan)
+        _submit(engine, plan)
+        after_backward.step_on_device(engine, plan)
     finally:
-        opt._overlap = None
-        if not opt.offload_gradients:
-            for slot in opt._slots:
+        engine.overlap = None
+        if not engine.options.offload_gradients:
+            for slot in engine.slots:
                 slot.has_grad = False
 
 
-def _judge_in_jobs(opt) -> bool:
+def _judge_in_jobs(engine) -> bool:
     """Whether this step's scaling and inf/NaN check can move into the per-parameter jobs:
     gradients offloaded and overlapped (overlap_next_step), and untouched since (a scale
     or clip already read them all; then its verdict is reused). Not for sharded
     parameters, whose ranks must agree on one verdict."""
-    return (opt.offload_gradients and opt._overlap is not None and not opt._slots.sharded
-            and not opt._scaling.finite.known())
+    return (engine.options.offload_gradients and engine.overlap is not None and not engine.slots.sharded
+            and not engine.scaling.finite.known())
 
 
-def _submit(opt, plan: StepPlan) -> None:
+def _submit(engine, plan: StepPlan) -> None:
     """Hand every parameter with a gradient to the worker; the next backward lands in the
     other gradient buffer."""
-    opt._adopt_changed_weights()
-    batch = JobBatch(opt._worker, partial(_update, opt, plan))
-    for slot in opt._slots.in_order(opt._params()):
+    engine.adopt_changed_weights()
+    batch = JobBatch(engine.worker, partial(_update, engine, plan))
+    for slot in engine.slots.in_order(engine.params()):
         if not slot.has_grad:
             continue
         job_slot = dataclasses.replace(slot)  # this step's gradient buffer and events
@@ -97,72 +97,72 @@ def _submit(opt, plan: StepPlan) -> None:
         plan.submitted.add(id(slot.master))
         batch.add((slot, job_slot), slot.master.numel())
     batch.flush()
-    opt._pending.plan = plan
+    engine.pending.plan = plan
 
 
-def _update(opt, plan: StepPlan, pairs: list[tuple[HostSlot, HostSlot]]) -> None:
+def _update(engine, plan: StepPlan, pairs: list[tuple[HostSlot, HostSlot]]) -> None:
     """Worker job: update a batch of parameters (each ``(slot, job_slot)``: the slot and its
     copy holding this step's gradient buffer), then send each updated weight the device is
     done with."""
     finite = []
     for slot, job_slot in pairs:
         Transfers.wait(slot.push_event)  # the previous weight has left the stage
-        opt._grads.settle(job_slot)
+        engine.grads.settle(job_slot)
         if plan.check_each and not grad_checks.all_finite([job_slot.grad]):
             plan.nonfinite.append(slot)  # unchanged; nothing to send
         else:
             finite.append((slot, job_slot))
     if not finite:
         return
-    host_update.update_slots(opt._host_optimizer, plan.groups, [j for _, j in finite], plan.grad_scale)
-    with opt._pending.push_lock:
+    host_update.update_slots(engine.inner, plan.groups, [j for _, j in finite], plan.grad_scale)
+    with engine.pending.push_lock:
         for slot, _ in finite:
             slot.push_ready = True
             if slot.free_to_push:
-                _push(opt, slot)
+                _push(engine, slot)
 
 
-def release_for_push(opt, slot: HostSlot) -> None:
+def release_for_push(engine, slot: HostSlot) -> None:
     """The last backward before step() is done with ``slot``'s weight."""
-    pending = opt._pending
+    pending = engine.pending
     with pending.push_lock:
         if pending.plan is not None and id(slot.master) in pending.plan.submitted:
-            _allow_push(opt, slot)
+            _allow_push(engine, slot)
 
 
-def _allow_push(opt, slot: HostSlot) -> None:
+def _allow_push(engine, slot: HostSlot) -> None:
     """The device no longer reads ``slot``'s weight: send it now if it is updated, else let
     its job send it (caller holds the push lock)."""
     slot.free_to_push = True
     if slot.push_ready:
-        _push(opt, slot)
+        _push(engine, slot)
 
 
-def _push(opt, slot: HostSlot) -> None:
+def _push(engine, slot: HostSlot) -> None:
     """Copy an updated weight to the device (caller holds the push lock), unless the weight
     was changed outside the optimizer meanwhile: the change wins, and the next step or
     state_dict() takes it over (see weight_sync)."""
     if weight_mark(slot.param) == slot.mark:
-        slot.push_event = opt._transfers.to_device([(slot.weight_source(), slot.device_weight())])
-        opt._updates.last_push = slot.push_event  # copies complete in issue order
+        slot.push_event = engine.transfers.to_device([(slot.weight_source(), slot.device_weight())])
+        engine.updates.last_push = slot.push_event  # copies complete in issue order
     slot.push_ready = slot.free_to_push = False
 
 
-def finish(opt) -> None:
+def finish(engine) -> None:
     """Wait for the background update and put all of its weights on the device."""
-    pending = opt._pending
+    pending = engine.pending
     plan = pending.plan
     if plan is None:
         return
     try:
         with pending.push_lock:
-            for slot in opt._slots:
+            for slot in engine.slots:
                 if id(slot.master) in plan.submitted:
-                    _allow_push(opt, slot)
-        opt._worker.drain()  # jobs that finish now push their own weights
+                    _allow_push(engine, slot)
+        engine.worker.drain()  # jobs that finish now push their own weights
     finally:
         pending.plan = None
-        for slot in opt._slots:
+        for slot in engine.slots:
             slot.push_ready = slot.free_to_push = False
-        opt._transfers.order_compute_after(opt._updates.last_push)
-    after_backward.report_spared(opt, plan)  # judged in the jobs: reported one step late
+        engine.transfers.order_compute_after(engine.updates.last_push)
+    after_backward.report_spared(engine, plan)  # judged in the jobs: reported one step late

@@ -17,19 +17,19 @@ from offload_plugin.weight_sync import adopt_weight, changed_slots
 __all__ = ["start", "refuse_changes_during_step"]
 
 
-def start(opt, grad_scale: Optional[float], newest_first: bool) -> None:
+def start(engine, grad_scale: Optional[float], newest_first: bool) -> None:
     """The plan the coming backward's hooks submit to (see Updates.submit)."""
-    plan = opt._updates.plan(opt.param_groups, grad_scale, check_each=True,
-                             clip_coef=opt._scaling.clip_coef,
-                             in_flight=opt._returned_early is not None)
+    plan = engine.updates.plan(engine.param_groups, grad_scale, check_each=True,
+                             clip_coef=engine.scaling.clip_coef,
+                             in_flight=engine.returned_early is not None)
     plan.newest_first = newest_first
-    opt._running = plan
+    engine.running = plan
 
 
-def refuse_changes_during_step(opt, plan: StepPlan) -> None:
+def refuse_changes_during_step(engine, plan: StepPlan) -> None:
     """Updates that started during backward read the host copies before a change made
     between overlap_next_step() and step() could count: refuse it, then follow it."""
-    edited = [s for s in changed_slots(opt._slots) if id(s.master) in plan.submitted]
+    edited = [s for s in changed_slots(engine.slots) if id(s.master) in plan.submitted]
     if edited:
         for slot in edited:
             adopt_weight(slot)

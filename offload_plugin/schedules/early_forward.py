@@ -28,22 +28,22 @@ from offload_plugin.weight_sync import adopt_weight, changed_slots
 __all__ = ["return_early", "finish", "on_backward"]
 
 
-def return_early(opt, plan: StepPlan) -> None:
+def return_early(engine, plan: StepPlan) -> None:
     """Let step() return with ``plan``'s updates still queued."""
     # The next forward's work queued from now on does not read the weights: their copies
     # need only wait for the backward.
-    plan.pushes_after = opt._transfers.mark_compute()
+    plan.pushes_after = engine.transfers.mark_compute()
     with plan.todo_lock:
         plan.todo.sort(key=lambda slot: slot.order)
         plan.landed_first = True
-    plan.gates = {id(slot.param): slot for slot in opt._slots if id(slot.master) in plan.submitted}
-    plan.hook = torch.nn.modules.module.register_module_forward_pre_hook(partial(_gate, opt))
-    opt._returned_early = plan
+    plan.gates = {id(slot.param): slot for slot in engine.slots if id(slot.master) in plan.submitted}
+    plan.hook = torch.nn.modules.module.register_module_forward_pre_hook(partial(_gate, engine))
+    engine.returned_early = plan
 
 
-def _gate(opt, module: torch.nn.Module, args: Any) -> None:
+def _gate(engine, module: torch.nn.Module, args: Any) -> None:
     """Forward pre-hook: wait for the weights of ``module``'s own parameters."""
-    plan = opt._returned_early
+    plan = engine.returned_early
     if plan is None:
         return
     for param in module._parameters.values():
@@ -52,29 +52,29 @@ def _gate(opt, module: torch.nn.Module, args: Any) -> None:
             continue
         del plan.gates[id(param)]
         with plan.sent:
-            while id(param) not in plan.sent_ids and not opt._worker.failed:
+            while id(param) not in plan.sent_ids and not engine.worker.failed:
                 plan.sent.wait(0.05)
-        if opt._worker.failed:
-            finish(opt)  # raises the worker's error here
-        opt._transfers.order_compute_after(plan.pushed.get(id(param)))
+        if engine.worker.failed:
+            finish(engine)  # raises the worker's error here
+        engine.transfers.order_compute_after(plan.pushed.get(id(param)))
     if not plan.gates:
-        finish(opt)
+        finish(engine)
 
 
-def finish(opt) -> None:
+def finish(engine) -> None:
     """Complete a step that returned early: every update done, every weight ordered before
     later device work, inf/NaN reported. A no-op otherwise."""
-    plan, opt._returned_early = opt._returned_early, None
+    plan, engine.returned_early = engine.returned_early, None
     if plan is None:
         return
     plan.hook.remove()
     try:
-        opt._worker.drain()
+        engine.worker.drain()
     finally:
-        opt._transfers.order_compute_after(opt._updates.last_push)
+        engine.transfers.order_compute_after(engine.updates.last_push)
         if plan.zero_grad is not None:
-            opt._grads.reset(set_to_none=plan.zero_grad)
-    edited = changed_slots(opt._slots)
+            engine.grads.reset(set_to_none=plan.zero_grad)
+    edited = changed_slots(engine.slots)
     if edited:
         # Changed while this step was still writing weights: whether each change came
         # before or after the new weight landed is unknown. The parameter stays the truth
@@ -89,21 +89,21 @@ def finish(opt) -> None:
             "changing weights outside the optimizer. The optimizer now follows the "
             "weights as they are."
         )
-    after_backward.report_spared(opt, plan)
+    after_backward.report_spared(engine, plan)
 
 
-def on_backward(opt, param: torch.Tensor) -> None:
+def on_backward(engine, param: torch.Tensor) -> None:
     """A gradient hook fired: the forward is over, so is a step that returned early. Its
     parameters whose gate never opened must not get a gradient in this backward: the
     forward used them, yet their module's forward pre-hook never ran (something read the
     weight directly, as nn.MultiheadAttention reads out_proj.weight), maybe before the
     update had arrived. Refuse the gradient rather than guess."""
-    plan = opt._returned_early
+    plan = engine.returned_early
     if plan is not None:
-        opt._ungated = {id(s.param): s.param for s in plan.gates.values()}
-        torch.autograd.Variable._execution_engine.queue_callback(opt._ungated.clear)
-        finish(opt)
-    if opt._ungated and opt._ungated.get(id(param)) is param:
+        engine.ungated = {id(s.param): s.param for s in plan.gates.values()}
+        torch.autograd.Variable._execution_engine.queue_callback(engine.ungated.clear)
+        finish(engine)
+    if engine.ungated and engine.ungated.get(id(param)) is param:
         raise RuntimeError(
             f"CPUOffloadOptimizer(early_forward): a parameter of shape {tuple(param.shape)} "
             "was used by the forward without its own module's forward running (e.g. "

@@ -23,42 +23,42 @@ from offload_plugin.schedules import after_backward
 __all__ = ["applies", "step", "finish", "in_flight"]
 
 
-def applies(opt) -> bool:
+def applies(engine) -> bool:
     """Whether this step() runs inside a backward (and no other schedule was chosen)."""
-    return (torch._C._current_graph_task_id() != -1 and opt._overlap is None
-            and not opt.delayed_update)
+    return (torch._C._current_graph_task_id() != -1 and engine.overlap is None
+            and not engine.options.delayed_update)
 
 
-def step(opt) -> None:
-    plan = opt._updates.plan(opt.param_groups, grad_scale=None, check_each=True, clip_coef=None)
-    for slot in opt._slots.in_order(opt._params()):
+def step(engine) -> None:
+    plan = engine.updates.plan(engine.param_groups, grad_scale=None, check_each=True, clip_coef=None)
+    for slot in engine.slots.in_order(engine.params()):
         if slot.param.grad is not None:
-            opt._grads.offload(slot, extremes=True, add_in_worker=False)
+            engine.grads.offload(slot, extremes=True, add_in_worker=False)
         if slot.has_grad and id(slot.master) not in plan.submitted:
-            opt._submit(plan, [slot])
-    opt._updates.flush(plan)
-    after_backward.step_on_device(opt, plan)
-    if not opt._in_backward:  # the first of this backward: finish when it ends
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: finish(opt))
-    opt._in_backward.append(plan)
-    if not opt.offload_gradients:  # as after a step: the next backward brings new ones
-        for slot in opt._slots:
+            engine.submit(plan, [slot])
+    engine.updates.flush(plan)
+    after_backward.step_on_device(engine, plan)
+    if not engine.in_backward:  # the first of this backward: finish when it ends
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: finish(engine))
+    engine.in_backward.append(plan)
+    if not engine.options.offload_gradients:  # as after a step: the next backward brings new ones
+        for slot in engine.slots:
             slot.has_grad = False
 
 
-def in_flight(opt) -> set:
+def in_flight(engine) -> set:
     """Ids of the masters whose update this backward queued and has not waited for."""
-    return {m for plan in opt._in_backward for m in plan.submitted}
+    return {m for plan in engine.in_backward for m in plan.submitted}
 
 
-def finish(opt) -> None:
+def finish(engine) -> None:
     """Wait for the updates that steps inside the last backward queued. A no-op otherwise."""
-    plans, opt._in_backward = opt._in_backward, []
+    plans, engine.in_backward = engine.in_backward, []
     if not plans:
         return
     try:
-        opt._worker.drain()
+        engine.worker.drain()
     finally:
-        opt._transfers.order_compute_after(opt._updates.last_push)
+        engine.transfers.order_compute_after(engine.updates.last_push)
     for plan in plans:
-        after_backward.report_spared(opt, plan)
+        after_backward.report_spared(engine, plan)

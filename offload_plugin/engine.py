@@ -1,0 +1,189 @@
+"""The update engines: what ``CPUOffloadOptimizer`` hands its work to.
+
+The optimizer (``optimizer.py``) is torch's facade: param groups, hooks, the state dict.
+Where the update runs is an engine's job, one engine per optimizer:
+
+- ``streamed.StreamedEngine``: the state lives in host memory and streams through the GPU,
+  whose kernel updates weights and state there (AdamW on a GPU, gradients left on it);
+- ``host_engine.HostEngine``: gradients go to host memory and ``optimizer_cls.step`` runs
+  there, on the host copies of the weights, which go back (every other case).
+
+The optimizer builds the streamed engine where its options allow streaming, and hands over
+to the host engine (``HostEngine.take_over``) at the first parameter group the streamed one
+cannot take (``streamed.eligible``) or when a group stops asking for what its kernel does;
+never back.
+
+:class:`Engine` is what both have, and the interface the optimizer calls:
+
+=========================  ================================================================
+``attach(group, params)``  host slots (and state) for a group torch has accepted
+``step()``                 update every parameter with a gradient
+``finish()``               wait for anything still in flight; raise its errors
+``zero_grad(...)``         reset the gradients, wherever they are
+``grads_in_place(what)``   the gradients that scaling and clipping act on
+``state_of(param)``        where ``optimizer.state[param]`` lives
+``forget_state()``         the state was replaced (load, ``state[p] = ...``)
+``regroup()``              the groups' members were edited by hand
+``adopt_changed_weights``  take over weights written outside the optimizer
+``reload_weights()``       re-read every weight (``param.data`` writes)
+=========================  ================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from offload_plugin import host_memory, process
+from offload_plugin.distributed import DTensor, local_part
+from offload_plugin.gradients import check_dense
+from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots
+from offload_plugin.host_update import forget_batches, uses_fused_adam
+from offload_plugin.options import Options
+from offload_plugin.scaling import Scaling
+from offload_plugin.slots import SlotTable
+
+__all__ = ["Engine"]
+
+
+class Engine:
+    """What both engines own: the trainable slots (``slots``, each parameter's host
+    buffers), the inner optimizer (``inner``: ``optimizer_cls`` over the slots' host
+    tensors, which holds the state), scaling and clipping (``scaling``), and this process's
+    share of the device resources (``resources``, ``transfers``, ``worker``, ``arena``).
+
+    It reads the optimizer only through its public attributes (``param_groups``,
+    ``defaults``, GradScaler's ``grad_scale``)."""
+
+    streams = False  # whether the update runs on the device with the state streamed to it
+    device_share = None  # the parameters updated on the device (device_fraction): host engine only
+    overlap = None  # what overlap_next_step() chose (host engine only)
+
+    def __init__(self, optimizer: Optimizer, options: Options) -> None:
+        self._optimizer = optimizer
+        self.options = options
+        self.slots = SlotTable()
+        self.inner: Optional[Optimizer] = None
+        self.scaling = Scaling(options.nonfinite_grads, options.offload_gradients)
+        self.resources: Optional[process.Resources] = None
+        self.transfers = self.worker = self.arena = None
+        self.taken_over: set[int] = set()  # ids of parameters a newer optimizer updates now
+
+    # ------------------------------------------------------------------ the optimizer's view
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._optimizer.param_groups
+
+    @property
+    def defaults(self) -> dict:
+        return self._optimizer.defaults
+
+    @property
+    def amp_scale(self) -> Optional[torch.Tensor]:
+        """torch.amp.GradScaler's scale, handed to step() (see the optimizer's
+        ``_step_supports_amp_scaling``)."""
+        return getattr(self._optimizer, "grad_scale", None)
+
+    def params(self) -> Iterator[torch.Tensor]:
+        """Trainable parameters in order, group by group (the order of state-dict indices)."""
+        return (p for g in self.param_groups for p in g["params"])
+
+    def holds(self, param: torch.Tensor) -> bool:
+        return self.slots.get(param) is not None
+
+    # ------------------------------------------------------------------ attach
+    def setup_device(self, device: torch.device) -> None:
+        self.resources = process.resources(device, self.options.host_threads)
+        self.transfers, self.worker = self.resources.transfers, self.resources.worker
+        self.arena = self.resources.arena(self.options.pin_memory).account()  # this optimizer's share
+        self.scaling.on_accelerator = device.type != "cpu"
+
+    def attach(self, group: dict[str, Any], params: list[torch.Tensor],
+               on_device: list[torch.Tensor]) -> list[HostSlot]:
+        """Host slots, the inner optimizer's group and its state's memory for ``group``
+        (torch accepted it; ``params`` are those this engine updates, ``on_device`` those
+        kept on the device). Checks the host memory first: nothing is allocated if it
+        cannot fit."""
+        options = self.options
+        if params and self.transfers is None:
+            self.setup_device(params[0].device)
+        shards = [local_part(p) for p in params]  # a DTensor (FSDP2) costs this rank its shard
+        host_copies = not self.streams
+        if params and options.check_host_memory:
+            state = host_memory.state_tensors_per_param(options.optimizer_cls, group)
+            spares = 2 if options.delayed_update and options.offload_gradients else 0
+            host_memory.check(
+                host_memory.bytes_needed(shards, options.master_weights, state, spares,
+                                         host_copies=host_copies),
+                sum(p.numel() for p in shards), options.master_weights,
+            )
+        slots = build_slots(
+            params, options.master_weights, self.arena,
+            spare_grads=options.delayed_update and options.offload_gradients,
+            host_copies=host_copies,
+        ) if params else []
+        host_group = {k: v for k, v in group.items() if k != "params"}
+        host_group["params"] = [s.master for s in slots]
+        if self.inner is None:
+            self.inner = options.optimizer_cls([host_group], **options.optimizer_kwargs)
+        else:
+            self.inner.add_param_group(host_group)
+        pin_moments = self.streams and self.arena is not None and self.arena.pin
+        if uses_fused_adam(self.inner, self.inner.param_groups[-1]):
+            allocate_moments(slots, pin=pin_moments)  # (the fused path creates Adam's state itself)
+        if params and options.check_host_memory and not pin_moments:
+            # (moments to be page-locked were zero-filled, even where that failed: resident
+            # now; any other state is made at the first step)
+            host_memory.promise(self._optimizer, host_memory.bytes_needed(
+                shards, options.master_weights, state, host_copies=False))
+        shard_of = getattr(self.inner, "shard_of", None)  # (CompactAdamW lays out shards' state)
+        for slot in slots:
+            slot.on_replaced = getattr(self.inner, "weight_replaced", None)
+            if shard_of is not None and isinstance(slot.param, DTensor):
+                shard_of(slot.master, slot.param.shape)
+        self.slots.add(slots)  # in parameter order: forward order for torchtune's models
+        return slots
+
+    # ------------------------------------------------------------------ gradients
+    def ready_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(param, gradient)`` of every parameter the next update would step, in parameter
+        order; a DTensor's gradient as its local shard."""
+        pairs = []
+        sharded = self.slots.sharded
+        for p in self.params():
+            grad = p.grad
+            if grad is not None:
+                if grad.is_sparse:
+                    check_dense(grad)
+                pairs.append((p, local_part(grad) if sharded else grad))
+        return pairs
+
+    def ready_grads(self) -> list[torch.Tensor]:
+        return [g for _, g in self.ready_pairs()]
+
+    def grads_in_place(self, action: str) -> list[torch.Tensor]:
+        """The gradients scale_grads and clip_grad_norm_ act on (``action`` names the call)."""
+        grads = self.ready_grads()
+        self.scaling.apply_clip_now(grads)
+        return grads
+
+    def zero_grad(self, set_to_none: bool, clear: Callable[[], None]) -> None:
+        """Reset the gradients: ``clear`` is torch's zero_grad of the model's ``.grad``."""
+        self.scaling.reset()
+        clear()
+        self.scaling.finite.clear()
+
+    # ------------------------------------------------------------------ state
+    def state_of(self, param: torch.Tensor) -> Optional[tuple[dict, torch.Tensor]]:
+        """The state mapping that holds ``param``'s state and its key there, or None."""
+        slot = self.slots.get(param)
+        return None if slot is None else (self.inner.state, slot.master)
+
+    def regroup(self) -> None:
+        """The groups' members were edited by hand: the inner groups follow."""
+        self.finish()  # (an update still running reads the inner groups)
+        for group, inner in zip(self.param_groups, self.inner.param_groups):
+            inner["params"] = [slot.master for slot in self.slots.in_order(group["params"])]
+        forget_batches(self.inner)

@@ -1,0 +1,296 @@
+"""The host engine: gradients go to host memory, ``optimizer_cls.step`` runs there on the
+host copies of the weights, and the new weights go back to the device.
+
+It owns what a host step needs beyond the common parts (``engine.Engine``): the gradient
+path (``grads``: offloaded during backward, or copied at step), the update queue
+(``updates``), the parameters updated on the device (``device_share``, device_fraction),
+the backward hooks of offloaded gradients, and the step in progress, one field per
+schedule that owns it (``offload_plugin.schedules``: one table says which runs):
+
+- ``overlap``: what ``overlap_next_step`` chose for the coming backward and step();
+- ``running``: the plan whose updates are being submitted;
+- ``returned_early``: a step that returned before its updates ended (early_forward);
+- ``pending``: the update running in the background (delayed_update);
+- ``in_backward``: plans queued by step()s inside this backward (optimizer_in_bwd);
+- ``ungated``: parameters whose gate that early step never saw pass.
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import partial
+from typing import Callable, Optional, Union
+
+import torch
+from torch.optim import Optimizer
+
+from offload_plugin import schedules
+from offload_plugin.device_share import DeviceShare
+from offload_plugin.distributed import local_part
+from offload_plugin.engine import Engine
+from offload_plugin.gradients import GradientPath, check_dense
+from offload_plugin.host_buffers import HostSlot, give_host_copies
+from offload_plugin.host_update import forget_batches
+from offload_plugin.options import Options
+from offload_plugin.scaling import multiplier
+from offload_plugin.schedules import delayed, early_forward, in_backward
+from offload_plugin.updates import StepPlan, Updates
+from offload_plugin.weight_sync import adopt_weight, changed_slots
+
+__all__ = ["HostEngine"]
+
+
+class _GradHook:
+    """A parameter's post-accumulate-grad hook that reaches the engine through a weak
+    reference. The parameter holds its hooks and the optimizer holds the parameter; with
+    a bound method in between, a dropped model and optimizer were never collected (torch
+    2.13: the cycle runs through the tensor's hook table), and with them the host memory
+    and the host worker's thread."""
+
+    __slots__ = ("_engine",)
+
+    def __init__(self, engine: "HostEngine") -> None:
+        self._engine = weakref.ref(engine)
+
+    def __call__(self, param: torch.Tensor) -> None:
+        engine = self._engine()
+        if engine is not None:
+            engine.on_grad_accumulated(param)
+
+
+class HostEngine(Engine):
+    """``optimizer_cls.step`` in host memory (see the module docstring)."""
+
+    def __init__(self, optimizer: Optimizer, options: Options, keeps_some: bool = False) -> None:
+        super().__init__(optimizer, options)
+        self.grads: Optional[GradientPath] = None
+        self.updates: Optional[Updates] = None
+        self.device_share: Optional[DeviceShare] = (
+            DeviceShare(options.optimizer_cls, options.optimizer_kwargs, options.master_weights)
+            if keeps_some else None
+        )
+        self._hooks: list = []
+        self.overlap: Optional[schedules.Overlap] = None
+        self.running: Optional[StepPlan] = None
+        self.returned_early: Optional[StepPlan] = None
+        self.pending = delayed.Pending()
+        self.in_backward: list[StepPlan] = []
+        self.ungated: dict[int, torch.Tensor] = {}
+
+    @classmethod
+    def take_over(cls, streamed: Engine) -> "HostEngine":
+        """The host update from now on, from the streamed engine's state as it is. The
+        slots get host copies of their weights (the streamed update keeps none), adopted
+        from the parameters at the next step (weight_sync)."""
+        streamed.finish()
+        engine = cls(streamed._optimizer, streamed.options)
+        engine.slots, engine.inner, engine.scaling = streamed.slots, streamed.inner, streamed.scaling
+        engine.taken_over = streamed.taken_over
+        if streamed.resources is not None:
+            engine.resources, engine.transfers = streamed.resources, streamed.transfers
+            engine.worker, engine.arena = streamed.worker, streamed.arena
+            engine._build_paths()
+        slots = list(engine.slots)
+        if slots:
+            placeholders = {id(slot.master): slot for slot in slots}
+            give_host_copies(slots, engine.options.master_weights, engine.arena)
+            # The inner optimizer knows each slot by its master: key it by the new one.
+            inner = engine.inner
+            for group in inner.param_groups:
+                group["params"] = [placeholders[id(m)].master for m in group["params"]]
+            for old in [m for m in inner.state if id(m) in placeholders]:
+                inner.state[placeholders[id(old)].master] = inner.state.pop(old)
+            forget_batches(inner)
+        return engine
+
+    def setup_device(self, device: torch.device) -> None:
+        super().setup_device(device)
+        self._build_paths()
+
+    def _build_paths(self) -> None:
+        options = self.options
+        self.grads = GradientPath(self.slots, self.transfers, self.worker, self.arena,
+                                  options.pin_memory, options.delayed_update)
+        self.updates = Updates(lambda: self.inner, self.grads, self.transfers, self.worker)
+
+    def attach(self, group: dict, params: list[torch.Tensor], on_device: list[torch.Tensor]) -> list[HostSlot]:
+        slots = super().attach(group, params, on_device)
+        if self.device_share is not None:  # one group per outer group, even if empty
+            self.device_share.add_group({k: v for k, v in group.items() if k != "params"}, on_device)
+        if self.options.offload_gradients:
+            for slot in slots:
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(_GradHook(self)))
+        return slots
+
+    def holds(self, param: torch.Tensor) -> bool:
+        return super().holds(param) or (self.device_share is not None and param in self.device_share)
+
+    def state_of(self, param: torch.Tensor) -> Optional[tuple[dict, torch.Tensor]]:
+        where = super().state_of(param)
+        if where is None and self.device_share is not None and param in self.device_share:
+            return self.device_share.optimizer.state, self.device_share.target[param]
+        return where
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        schedules.run_step(self)
+
+    def finish(self) -> None:
+        in_backward.finish(self)
+        early_forward.finish(self)
+        delayed.finish(self)
+
+    def overlap_next_step(self, grad_scale: Optional[Union[float, torch.Tensor]], clipping: bool,
+                          early: bool) -> None:
+        if grad_scale is not None:
+            grad_scale = self._overlap_multiplier(grad_scale)
+        self.scaling.scaled_since_zero_grad = True
+        self.overlap = schedules.choose_overlap(self, grad_scale, clipping, early)
+
+    def _overlap_multiplier(self, grad_scale: Union[float, torch.Tensor]) -> float:
+        """The one number each overlapped update multiplies its gradient by: what
+        torchtune's scale_grads would (see scaling.multiplier)."""
+        # (Once per dtype, not per parameter: this runs before every overlapped backward.)
+        dtypes = {p.dtype for p in self.params()}
+        values = {multiplier(grad_scale, dtype, self.scaling.on_accelerator) for dtype in dtypes}
+        if len(values) > 1:
+            raise ValueError(
+                "overlap_next_step(grad_scale=...) with trainable parameters of several dtypes "
+                f"({sorted(map(str, dtypes))}) on a GPU: scale_grads "
+                "rounds the factor to each gradient's dtype there, which one overlapped update "
+                "cannot. Give the trainable parameters one dtype, or call scale_grads() after "
+                "backward instead of passing grad_scale."
+            )
+        return values.pop() if values else float(grad_scale)
+
+    # ------------------------------------------------------------------ gradients
+    def on_grad_accumulated(self, param: torch.Tensor) -> None:
+        """Backward hook (offload_gradients=True)."""
+        if self.taken_over and id(param) in self.taken_over:
+            return  # (a newer optimizer takes this gradient; this one's step() refuses)
+        early_forward.on_backward(self, param)
+        overlap = self.overlap
+        if overlap is not None:
+            if id(param) in overlap.seen:
+                # Its update (or its norm, or its weight's return) may already be under way.
+                raise RuntimeError(
+                    "CPUOffloadOptimizer: a second backward after overlap_next_step() reached "
+                    "a parameter that already has its gradient for this step. Call "
+                    "overlap_next_step() right before the LAST backward of the accumulation "
+                    "window, then step()."
+                )
+            overlap.seen.add(id(param))
+        elif self.options.accumulate_on_device:
+            return  # not the last backward (overlap_next_step): autograd adds the next one on the device
+        self.offload_grad(param)
+
+    def offload_grad(self, param: torch.Tensor) -> None:
+        """Move ``param.grad`` to its slot, then let the schedule react: queue the update
+        (during_backward), take the norm of a host sum (overlapped clipping), or release the
+        weight (delayed)."""
+        slot, plan = self.slots[param], self.running
+        # Work the host would do with a pass over each gradient in host memory, where the
+        # update is bound by memory bandwidth, is done by the device on the way out: an
+        # update that starts now needs an inf/NaN verdict (the gradient's extremes come
+        # along); a clipped step needs each gradient scaled and its norm.
+        norms = self.scaling.clip_norms if plan is None else None
+        first = self.grads.offload(
+            slot, before=partial(norms.on_device, slot) if norms is not None else None,
+            extremes=plan is not None and plan.check_each, add_in_worker=plan is None,
+        )
+        if plan is not None:
+            self.submit(plan, [slot])
+        elif norms is not None and not first:  # an accumulated sum: scaled and normed on the host
+            norms.batch.add(slot, slot.grad.numel())
+        elif self.overlap is not None and self.overlap.schedule == "delayed":
+            delayed.release_for_push(self, slot)
+
+    def submit(self, plan: StepPlan, slots: list[HostSlot]) -> None:
+        if not plan.submitted:  # the step's first update: nothing has read a master yet
+            self.adopt_changed_weights()
+        self.updates.submit(plan, slots)
+
+    def settled_host_grads(self) -> list[HostSlot]:
+        """offload_gradients: every gradient complete on the host (a ``.grad`` set on the
+        device by hand is offloaded too); returns the slots that have one."""
+        for slot in self.slots:
+            if slot.param.grad is not None:
+                self.offload_grad(slot.param)
+        ready = [s for s in self.slots.in_order(self.params()) if s.has_grad]
+        for slot in ready:
+            self.grads.settle(slot)
+        return ready
+
+    def ready_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """As Engine's, with offloaded gradients' settled host copies; parameters updated on
+        the device with their ``.grad``."""
+        if not self.options.offload_gradients:
+            return super().ready_pairs()
+        host = {id(s.param): s.grad for s in self.settled_host_grads()}
+        pairs = []
+        for p in self.params():
+            if id(p) in host:
+                pairs.append((p, host[id(p)]))
+            elif p.grad is not None and p not in self.slots:
+                check_dense(p.grad)
+                pairs.append((p, local_part(p.grad)))
+        return pairs
+
+    def grads_in_place(self, action: str) -> list[torch.Tensor]:
+        """The gradients scaling and clipping act on: device ``.grad`` or offloaded copies."""
+        early_forward.finish(self)
+        if self.running is not None:
+            raise RuntimeError(
+                f"{action} after overlap_next_step(): the updates already use the "
+                "gradients. Pass grad_scale to overlap_next_step() instead, and don't "
+                "overlap steps that clip."
+            )
+        grads = self.ready_grads()
+        if self.scaling.clip_norms is not None:  # scaled (and normed) by the worker: let it finish
+            self.scaling.clip_norms.batch.flush()
+            self.worker.drain()
+        if action != "step()":
+            self.scaling.apply_clip_now(grads)
+        overlap = self.overlap
+        if overlap is not None and overlap.pending_scale is not None:
+            # overlap_next_step's grad_scale, applied before anything reads the gradients,
+            # as if scale_grads() had been called right after backward.
+            factor, overlap.pending_scale = overlap.pending_scale, None
+            self.scaling.scale(grads, factor)
+        return grads
+
+    def zero_grad(self, set_to_none: bool, clear: Callable[[], None]) -> None:
+        if not self.options.delayed_update and self.returned_early is None and not self.in_backward:
+            self.updates.flush(self.running)
+            if self.scaling.clip_norms is not None:
+                self.scaling.clip_norms.batch.flush()
+            self.worker.drain()
+        super().zero_grad(set_to_none, clear)
+        if self.returned_early is not None:
+            # A step that returned early still reads its host gradients (and adds the last
+            # micro-batch's first): they are reset when it finishes, which is before the
+            # next gradient lands (the next forward waits for every update first).
+            self.returned_early.zero_grad = set_to_none
+        else:
+            # (Slots whose update this backward queued keep their copy's event: the update
+            # waits for it. Waiting here would stall the backward on the GPU.)
+            self.grads.reset(set_to_none, keep=in_backward.in_flight(self))
+
+    # ------------------------------------------------------------------ state and weights
+    def forget_state(self) -> None:
+        """The inner optimizer's state was replaced: the update's batches held it."""
+        forget_batches(self.inner)
+
+    def adopt_changed_weights(self) -> None:
+        """Take over weights changed outside the optimizer since the host copies last
+        matched them (see weight_sync): before a step's first update reads a master."""
+        for slot in changed_slots(self.slots):
+            adopt_weight(slot)
+        if self.device_share is not None:
+            self.device_share.adopt_changed_weights()
+
+    def reload_weights(self) -> None:
+        for slot in self.slots:
+            adopt_weight(slot)
+        if self.device_share is not None:
+            self.device_share.adopt_changed_weights(all_params=True)
