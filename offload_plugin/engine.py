@@ -23,7 +23,7 @@ never back.
 ``grads_in_place(what)``   the gradients that scaling and clipping act on
 ``state_of(param)``        where ``optimizer.state[param]`` lives
 ``forget_state()``         the state was replaced (load, ``state[p] = ...``)
-``regroup()``              the groups' members were edited by hand
+``check_groups()``         follow the groups' members edited by hand (or refuse)
 ``adopt_changed_weights``  take over weights written outside the optimizer
 ``reload_weights()``       re-read every weight (``param.data`` writes)
 =========================  ================================================================
@@ -70,6 +70,7 @@ class Engine:
         self.resources: Optional[process.Resources] = None
         self.transfers = self.worker = self.arena = None
         self.taken_over: set[int] = set()  # ids of parameters a newer optimizer updates now
+        self._membership: list = []  # ids of each group's parameters, as the inner groups have them
 
     # ------------------------------------------------------------------ the optimizer's view
     @property
@@ -181,8 +182,50 @@ class Engine:
         slot = self.slots.get(param)
         return None if slot is None else (self.inner.state, slot.master)
 
+    # ------------------------------------------------------------------ groups edited by hand
+    def note_groups(self) -> None:
+        """The groups' members as the inner groups have them (after add_param_group)."""
+        self._membership = [list(map(id, group["params"])) for group in self.param_groups]
+
+    def check_groups(self) -> None:
+        """Refuse a tensor put into ``param_groups[i]["params"]`` by hand: torch's optimizers
+        update it from then on, but it has no host copy here and would be left alone. A
+        parameter moved between groups (or the lists reordered) by hand: see regroup."""
+        # (One C-level pass per group: the step asks it of every parameter.)
+        membership = [list(map(id, group["params"])) for group in self.param_groups]
+        if membership == self._membership:
+            return
+        for i, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if not self.holds(p):
+                    raise ValueError(
+                        f"param_groups[{i}]['params'] holds a tensor of shape "
+                        f"{tuple(getattr(p, 'shape', ()))} that CPUOffloadOptimizer was not "
+                        "given: it has no host copy to update. Add parameters with "
+                        "optimizer.add_param_group({'params': [...]}) instead."
+                    )
+        ids = [i for group in membership for i in group]
+        if len(set(ids)) != len(ids):
+            raise ValueError(
+                "a parameter is in more than one of param_groups' 'params' lists (torch's "
+                "optimizers would update it once for each): keep each parameter in one group.")
+        if self.device_share is not None:
+            raise ValueError(
+                "param_groups' 'params' lists were edited by hand; with device_fraction the "
+                "groups are split between the device and the host when built, so move "
+                "parameters between groups by building the optimizer with the groups you need.")
+        if len(ids) != len(self.slots):
+            raise ValueError(
+                "a parameter was taken out of param_groups' 'params' lists by hand; "
+                "CPUOffloadOptimizer would go on updating it. Put it back, and to leave it "
+                "alone set its .grad to None (or p.requires_grad_(False) before backward).")
+        self.regroup()
+        self._membership = membership
+
     def regroup(self) -> None:
-        """The groups' members were edited by hand: the inner groups follow."""
+        """The groups' members were edited by hand, with parameters of this optimizer: torch's
+        optimizers update each with the hyperparameters of the group it is in now. The inner
+        groups (and an engine's plans) were cut from the old membership: they follow."""
         self.finish()  # (an update still running reads the inner groups)
         for group, inner in zip(self.param_groups, self.inner.param_groups):
             inner["params"] = [slot.master for slot in self.slots.in_order(group["params"])]

@@ -85,7 +85,7 @@ class HostEngine(Engine):
         streamed.finish()
         engine = cls(streamed._optimizer, streamed.options)
         engine.slots, engine.inner, engine.scaling = streamed.slots, streamed.inner, streamed.scaling
-        engine.taken_over = streamed.taken_over
+        engine.taken_over, engine._membership = streamed.taken_over, streamed._membership
         if streamed.resources is not None:
             engine.resources, engine.transfers = streamed.resources, streamed.transfers
             engine.worker, engine.arena = streamed.worker, streamed.arena

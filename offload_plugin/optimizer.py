@@ -10,9 +10,6 @@ updates a parameter is ``ownership``.
 
 from __future__ import annotations
 
-import logging
-import warnings
-import weakref
 from functools import partial
 from itertools import chain
 from typing import Any, Callable, Iterable, Optional, Union
@@ -23,18 +20,17 @@ from torch.optim import Optimizer
 from offload_plugin import checkpoint, host_memory, streamed
 from offload_plugin.checkpoint_compat import TORCHAO_MINIMAL_SIZE
 from offload_plugin.device_share import choose_kept
-from offload_plugin.distributed import DTensor, check_rows_sharded, local_part
+from offload_plugin.distributed import DTensor, check_rows_sharded
 from offload_plugin.engine import Engine
 from offload_plugin.host_engine import HostEngine
 from offload_plugin.options import Options, check_trainable
 from offload_plugin.ownership import claim
 from offload_plugin.schedules import early_forward
 from offload_plugin.state_view import StateView
+from offload_plugin.trainable import Kept
 
 __all__ = ["CPUOffloadOptimizer"]
 
-log = logging.getLogger(__name__)
-_ONE_TENSOR_NOTED = False  # (see CPUOffloadOptimizer._log_summary)
 
 
 class CPUOffloadOptimizer(Optimizer):
@@ -175,61 +171,18 @@ class CPUOffloadOptimizer(Optimizer):
         # the first group it cannot take (see _attach). The device share is the host's.
         self._engine: Engine = (HostEngine(self, options, keeps_some=True) if self._keep_ids
                                 else streamed.StreamedEngine(self, options))
-        self._membership: list = []  # ids of each group's parameters, as the inner groups have them
-        self._counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0,
-                        "on_device": 0, "on_device_numel": 0}
-        # Parameters dropped as frozen, until one of them is found with a gradient (warned
-        # once, see _warn_unfrozen).
-        self._frozen: list[weakref.ref] = []
+        self._kept = Kept()  # what was kept of the tensors given, and the frozen ones
 
         super().__init__(params, options.defaults())  # calls add_param_group for each group
         self.state = StateView(lambda: self._engine)
-        c = self._counts
-        if c["kept"] == 0:
-            raise ValueError(
-                f"CPUOffloadOptimizer got no trainable parameters: all {c['frozen']} "
-                "tensors have requires_grad=False. For LoRA/QLoRA, mark the adapters "
-                "trainable first (torchtune.modules.peft.set_trainable_params(model, "
-                "get_adapter_params(model))); otherwise check what was passed as params."
-            )
-        self._log_summary()
+        self._kept.check_any()
+        self._kept.log(self.optimizer_cls, self._engine)
 
     @property
     def engine(self) -> Engine:
         """The update engine in use (``streamed.StreamedEngine`` or ``host_engine.HostEngine``),
         for inspection: its slots, inner optimizer and parts."""
         return self._engine
-
-    def _log_summary(self) -> None:
-        """What was kept and where the update runs, at INFO; at DEBUG for an optimizer of one
-        tensor, as torchtune's ``optimizer_in_bwd`` builds one per parameter (a line each
-        would flood the recipe's log), after one INFO line per process saying so."""
-        global _ONE_TENSOR_NOTED
-        c, level, engine = self._counts, logging.INFO, self._engine
-        if c["kept"] == 1:
-            level = logging.DEBUG
-            if not _ONE_TENSOR_NOTED:
-                _ONE_TENSOR_NOTED = True
-                log.info("CPUOffloadOptimizer: optimizers over one tensor each (as torchtune's "
-                         "optimizer_in_bwd builds them, one per parameter) log what they keep "
-                         "at DEBUG level.")
-        if engine.transfers is not None and not engine.transfers.is_async:
-            log.log(level, "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the "
-                    "update runs in host memory with synchronous copies.", engine.transfers.device)
-        compact = getattr(self.optimizer_cls, "streams_compact", False)
-        log.log(
-            level,
-            "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) %s%s; "
-            "skipped %d frozen tensors (%s elements).",
-            self.optimizer_cls.__name__, c["kept"] - c["on_device"],
-            f"{c['kept_numel'] - c['on_device_numel']:,}",
-            ("with the state in host memory, updated on the device "
-             + ("by the compact kernel" if compact else "as torch's fused AdamW")
-             + " (the state streamed through it)") if engine.streams else "on the host",
-            f" and {c['on_device']} ({c['on_device_numel']:,} elements) on the device"
-            if c["on_device"] else "",
-            c["frozen"], f"{c['frozen_numel']:,}",
-        )
 
     def __reduce_ex__(self, protocol):
         # copy.copy, copy.deepcopy, pickle and torch.save all come here. A copy would share
@@ -246,33 +199,7 @@ class CPUOffloadOptimizer(Optimizer):
         """Add a group as torch's optimizers do, dropping its frozen parameters first."""
         if getattr(self._engine, "returned_early", None) is not None:
             early_forward.finish(self._engine)
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
-        group = dict(param_group)
-        entries = group["params"]
-        if isinstance(entries, set):
-            raise TypeError(
-                "optimizer parameters need to be an ordered collection (a list), not a set: "
-                "state-dict indices follow their order."
-            )
-        entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
-        named = [e for e in entries if isinstance(e, tuple)]
-        tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
-        keep = [isinstance(t, torch.Tensor) and t.requires_grad for t in tensors]
-        for t, k in zip(tensors, keep):
-            if isinstance(t, torch.Tensor) and not k:
-                self._counts["frozen"] += 1
-                self._counts["frozen_numel"] += local_part(t).numel()  # this rank's, as kept
-                self._frozen.append(weakref.ref(t))
-        kept_entries = [e for e, k in zip(entries, keep) if k]
-        kept = [t for t, k in zip(tensors, keep) if k]
-        # Non-tensors are kept so that torch reports them with its own message.
-        kept_entries += [e for e, t in zip(entries, tensors) if not isinstance(t, torch.Tensor)]
-        if len(set(map(id, kept))) != len(kept):
-            raise ValueError("a parameter appears more than once in a parameter group")
-        if named and len(named) != len(entries):
-            raise ValueError("all optimizer params should be with/without names")
-        group["params"] = kept_entries
+        group = self._kept.filter(param_group)
         super().add_param_group(group)
         try:
             self._attach(self.param_groups[-1])
@@ -280,7 +207,7 @@ class CPUOffloadOptimizer(Optimizer):
             # Leave the optimizer as it was: no group without host copies behind it.
             self.param_groups.pop()
             raise
-        self._membership = [list(map(id, g["params"])) for g in self.param_groups]  # (_check_params_known)
+        self._engine.note_groups()
 
     def _attach(self, group: dict[str, Any]) -> None:
         """Hand a group torch has accepted to the engine (host copies, state, hooks)."""
@@ -309,11 +236,7 @@ class CPUOffloadOptimizer(Optimizer):
             engine = self._engine = HostEngine.take_over(engine)
         engine.attach(group, offloaded, on_device)
         claim(self, params)
-        shards = [local_part(p) for p in offloaded]
-        self._counts["kept"] += len(params)
-        self._counts["kept_numel"] += sum(p.numel() for p in shards) + sum(p.numel() for p in on_device)
-        self._counts["on_device"] += len(on_device)
-        self._counts["on_device_numel"] += sum(p.numel() for p in on_device)
+        self._kept.add(offloaded, on_device)
 
     def _check_host_only(self, params: list) -> None:
         """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates bf16 host
@@ -342,62 +265,6 @@ class CPUOffloadOptimizer(Optimizer):
                 "updates). Step the newer optimizer, or build one optimizer over all the "
                 "parameter groups (add_param_group). Nothing was updated."
             )
-
-    def _warn_unfrozen(self) -> None:
-        """A parameter dropped as frozen (requires_grad=False when this optimizer was built)
-        that has a gradient now, and was not added since (add_param_group), is not updated,
-        where torch's optimizers would update it: say so once."""
-        unfrozen = sum(1 for ref in self._frozen
-                       if (t := ref()) is not None and t.grad is not None and not self._engine.holds(t))
-        if unfrozen:
-            self._frozen = []  # (once)
-            warnings.warn(
-                f"CPUOffloadOptimizer: {unfrozen} parameter(s) that had requires_grad=False when "
-                "it was built (left out as frozen, as QLoRA's base weights) have gradients now; "
-                "it does not update them. Add them with optimizer.add_param_group({'params': "
-                "[...]}), or set requires_grad before building the optimizer.", stacklevel=3)
-
-    def _check_params_known(self) -> None:
-        """Refuse a tensor put into ``param_groups[i]["params"]`` by hand: torch's optimizers
-        update it from then on, but it has no host copy here and would be left alone. A
-        parameter moved between groups (or the lists reordered) by hand: see _regroup."""
-        # (One C-level pass per group: the step asks it of every parameter.)
-        membership = [list(map(id, group["params"])) for group in self.param_groups]
-        if membership == self._membership:
-            return
-        for i, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if not self._engine.holds(p):
-                    raise ValueError(
-                        f"param_groups[{i}]['params'] holds a tensor of shape "
-                        f"{tuple(getattr(p, 'shape', ()))} that CPUOffloadOptimizer was not "
-                        "given: it has no host copy to update. Add parameters with "
-                        "optimizer.add_param_group({'params': [...]}) instead."
-                    )
-        self._regroup(membership)
-
-    def _regroup(self, membership: list) -> None:
-        """The groups' ``params`` lists were edited by hand, with parameters of this
-        optimizer: torch's optimizers update each with the hyperparameters of the group it
-        is in now. The engine's inner groups and plans were cut from the old membership:
-        they follow."""
-        ids = [i for group in membership for i in group]
-        if len(set(ids)) != len(ids):
-            raise ValueError(
-                "a parameter is in more than one of param_groups' 'params' lists (torch's "
-                "optimizers would update it once for each): keep each parameter in one group.")
-        if self._engine.device_share is not None:
-            raise ValueError(
-                "param_groups' 'params' lists were edited by hand; with device_fraction the "
-                "groups are split between the device and the host when built, so move "
-                "parameters between groups by building the optimizer with the groups you need.")
-        if len(ids) != len(self._engine.slots):
-            raise ValueError(
-                "a parameter was taken out of param_groups' 'params' lists by hand; "
-                "CPUOffloadOptimizer would go on updating it. Put it back, and to leave it "
-                "alone set its .grad to None (or p.requires_grad_(False) before backward).")
-        self._engine.regroup()
-        self._membership = membership
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
@@ -556,9 +423,8 @@ class CPUOffloadOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_params_known()
-        if self._frozen:
-            self._warn_unfrozen()
+        self._engine.check_groups()
+        self._kept.warn_unfrozen(self._engine.holds)
         engine = self._engine
         if engine.streams and not engine.still_applies():
             engine = self._engine = HostEngine.take_over(engine)  # (a group's fused was switched off)
@@ -607,7 +473,7 @@ class CPUOffloadOptimizer(Optimizer):
                 like its shard (e.g. factored state), which cannot be saved per shard.
         """
         self._engine.finish()
-        self._check_params_known()
+        self._engine.check_groups()
         self._engine.adopt_changed_weights()  # a saved master must match the model's weight
         return checkpoint.with_masters(self._engine, super().state_dict())
 
@@ -644,7 +510,7 @@ class CPUOffloadOptimizer(Optimizer):
         """
         engine = self._engine
         engine.finish()
-        self._check_params_known()
+        self._engine.check_groups()
         # Checked and converted into new tensors; nothing of this optimizer changed yet.
         hooks = [partial(hook, self) for hook in self._optimizer_load_state_dict_pre_hooks.values()]
         plan = checkpoint.prepare_load(engine, state_dict, torchao_minimal_size, allow_nonfinite, hooks)

@@ -196,9 +196,9 @@ def test_notice_without_accelerator(caplog):
 def test_one_optimizer_per_parameter_logs_one_line(caplog, monkeypatch):
     """torchtune's optimizer_in_bwd builds an optimizer per parameter: one INFO line for all
     of them, each one's summary at DEBUG."""
-    from offload_plugin import optimizer as optimizer_module
+    from offload_plugin import trainable as trainable_module
 
-    monkeypatch.setattr(optimizer_module, "_ONE_TENSOR_NOTED", False)
+    monkeypatch.setattr(trainable_module, "_ONE_TENSOR_NOTED", False)
     params = trainable(make_model())
     with caplog.at_level(logging.DEBUG, logger="offload_plugin"):
         opts = {p: CPUOffloadOptimizer([p], lr=1e-3) for p in params}

@@ -1,0 +1,130 @@
+"""What CPUOffloadOptimizer keeps of the tensors it is given.
+
+Frozen tensors (``requires_grad=False``: QLoRA's NF4 base weights) are dropped from each
+group before anything is allocated or hooked, so ``model.parameters()`` can be passed as
+torchtune's recipes pass it. :class:`Kept` does that, counts what was kept and where it is
+updated (logged once the optimizer is built), and warns once if a dropped tensor gets a
+gradient later, which torch's optimizers would have used.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from offload_plugin.distributed import local_part
+
+__all__ = ["Kept"]
+
+log = logging.getLogger("offload_plugin.optimizer")
+_ONE_TENSOR_NOTED = False  # (see Kept.log)
+
+
+class Kept:
+    """The counts of kept and frozen tensors, and the frozen ones until one has a gradient."""
+
+    def __init__(self) -> None:
+        self.counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0,
+                       "on_device": 0, "on_device_numel": 0}
+        self._frozen: list[weakref.ref] = []
+
+    def filter(self, param_group: dict[str, Any]) -> dict[str, Any]:
+        """``param_group`` without its frozen tensors (checked as torch's add_param_group
+        would check it, where dropping them would change the answer)."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        group = dict(param_group)
+        entries = group["params"]
+        if isinstance(entries, set):
+            raise TypeError(
+                "optimizer parameters need to be an ordered collection (a list), not a set: "
+                "state-dict indices follow their order."
+            )
+        entries = [entries] if isinstance(entries, torch.Tensor) else list(entries)
+        named = [e for e in entries if isinstance(e, tuple)]
+        tensors = [e[1] if isinstance(e, tuple) else e for e in entries]
+        keep = [isinstance(t, torch.Tensor) and t.requires_grad for t in tensors]
+        for t, k in zip(tensors, keep):
+            if isinstance(t, torch.Tensor) and not k:
+                self.counts["frozen"] += 1
+                self.counts["frozen_numel"] += local_part(t).numel()  # this rank's, as kept
+                self._frozen.append(weakref.ref(t))
+        kept_entries = [e for e, k in zip(entries, keep) if k]
+        kept = [t for t, k in zip(tensors, keep) if k]
+        # Non-tensors are kept so that torch reports them with its own message.
+        kept_entries += [e for e, t in zip(entries, tensors) if not isinstance(t, torch.Tensor)]
+        if len(set(map(id, kept))) != len(kept):
+            raise ValueError("a parameter appears more than once in a parameter group")
+        if named and len(named) != len(entries):
+            raise ValueError("all optimizer params should be with/without names")
+        group["params"] = kept_entries
+        return group
+
+    def add(self, offloaded: list[torch.Tensor], on_device: list[torch.Tensor]) -> None:
+        """Count a group's kept tensors: ``offloaded`` (this rank's shards count) and
+        ``on_device`` (device_fraction)."""
+        c = self.counts
+        c["kept"] += len(offloaded) + len(on_device)
+        c["kept_numel"] += sum(local_part(p).numel() for p in offloaded) + sum(p.numel() for p in on_device)
+        c["on_device"] += len(on_device)
+        c["on_device_numel"] += sum(p.numel() for p in on_device)
+
+    def check_any(self) -> None:
+        if self.counts["kept"] == 0:
+            raise ValueError(
+                f"CPUOffloadOptimizer got no trainable parameters: all {self.counts['frozen']} "
+                "tensors have requires_grad=False. For LoRA/QLoRA, mark the adapters "
+                "trainable first (torchtune.modules.peft.set_trainable_params(model, "
+                "get_adapter_params(model))); otherwise check what was passed as params."
+            )
+
+    def warn_unfrozen(self, holds: Callable[[torch.Tensor], bool]) -> None:
+        """A tensor dropped as frozen (requires_grad=False when the optimizer was built) that
+        has a gradient now, and was not added since (``holds`` it), is not updated, where
+        torch's optimizers would update it: say so once."""
+        if not self._frozen:
+            return
+        unfrozen = sum(1 for ref in self._frozen
+                       if (t := ref()) is not None and t.grad is not None and not holds(t))
+        if unfrozen:
+            self._frozen = []  # (once)
+            warnings.warn(
+                f"CPUOffloadOptimizer: {unfrozen} parameter(s) that had requires_grad=False when "
+                "it was built (left out as frozen, as QLoRA's base weights) have gradients now; "
+                "it does not update them. Add them with optimizer.add_param_group({'params': "
+                "[...]}), or set requires_grad before building the optimizer.", stacklevel=3)
+
+    def log(self, optimizer_cls: type, engine) -> None:
+        """What was kept and where the update runs, at INFO; at DEBUG for an optimizer of one
+        tensor, as torchtune's ``optimizer_in_bwd`` builds one per parameter (a line each
+        would flood the recipe's log), after one INFO line per process saying so."""
+        global _ONE_TENSOR_NOTED
+        c, level = self.counts, logging.INFO
+        if c["kept"] == 1:
+            level = logging.DEBUG
+            if not _ONE_TENSOR_NOTED:
+                _ONE_TENSOR_NOTED = True
+                log.info("CPUOffloadOptimizer: optimizers over one tensor each (as torchtune's "
+                         "optimizer_in_bwd builds them, one per parameter) log what they keep "
+                         "at DEBUG level.")
+        if engine.transfers is not None and not engine.transfers.is_async:
+            log.log(level, "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the "
+                    "update runs in host memory with synchronous copies.", engine.transfers.device)
+        compact = getattr(optimizer_cls, "streams_compact", False)
+        log.log(
+            level,
+            "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) %s%s; "
+            "skipped %d frozen tensors (%s elements).",
+            optimizer_cls.__name__, c["kept"] - c["on_device"],
+            f"{c['kept_numel'] - c['on_device_numel']:,}",
+            ("with the state in host memory, updated on the device "
+             + ("by the compact kernel" if compact else "as torch's fused AdamW")
+             + " (the state streamed through it)") if engine.streams else "on the host",
+            f" and {c['on_device']} ({c['on_device_numel']:,} elements) on the device"
+            if c["on_device"] else "",
+            c["frozen"], f"{c['frozen_numel']:,}",
+        )
