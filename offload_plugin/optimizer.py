@@ -42,80 +42,46 @@ class CPUOffloadOptimizer(Optimizer):
     dict behave as on torch's optimizers, so every LR scheduler and checkpoint helper works.
 
     On a GPU, AdamW and Adam (fused, the default) without master weights, offloaded
-    gradients, ``delayed_update``, ``device_fraction`` or DTensor parameters take the
-    streamed update (``offload_plugin.streamed``): each step copies the moments to the GPU,
-    torch's fused CUDA kernel updates weights and moments there, and the moments go back,
-    all on side streams: bit for bit ``torch.optim.AdamW(fused=True)`` on the GPU.
-    Otherwise each step copies the gradients to pinned host memory (or, with
+    gradients, ``delayed_update``, ``device_fraction`` or DTensor parameters stream their
+    state through the GPU (``streamed``): bit for bit ``torch.optim.AdamW(fused=True)`` on
+    the GPU. Otherwise each step copies the gradients to pinned host memory (or, with
     ``offload_gradients``, takes the copies made during backward), runs
-    ``optimizer_cls.step`` there and copies the updated weights back on a side CUDA stream.
-    On a machine without a GPU the host update runs with synchronous copies.
+    ``optimizer_cls.step`` there and copies the updated weights back on a side CUDA stream
+    (``host_engine``). ``docs/options.md`` says what each option does and costs, and which
+    combinations run where (one table, ``options.COMBINATIONS``).
 
     Args:
         params (Iterable): parameters or param-group dicts, as for any torch optimizer.
         optimizer_cls (type or str): the optimizer run on the host, as a class or a dotted
             path. Default: ``"torch.optim.AdamW"``.
         offload_gradients (bool): move each gradient to host memory as soon as backward
-            produces it and free it on the device. Saves the gradients' device memory;
-            scale and clip through :meth:`scale_grads` and :meth:`clip_grad_norm_`, since
-            the model's ``.grad`` is ``None`` afterwards. Default: ``False``.
-        master_weights (bool): keep fp32 copies of bf16/fp16 parameters on the host and
-            update those, so that small updates are not rounded away. Opt-in: it changes
-            the result (no longer torch's ``optimizer_cls`` on the parameters as they are),
-            doubles the host memory (16 bytes per bf16 parameter instead of 8) and slows
-            the host update, which moves about twice the bytes. Default: ``False``: the
-            update runs in the parameter's dtype, bit for bit ``optimizer_cls`` on it.
-        pin_memory (bool): page-lock host buffers for fast asynchronous copies (CUDA only).
-            Default: ``True``.
-        nonfinite_grads (str): what a step with an inf or NaN gradient does: ``"skip"``
-            (update nothing, warn) or ``"raise"`` (FloatingPointError). Where updates start
-            as gradients arrive (``overlap_next_step`` without clipping, ``optimizer_in_bwd``,
-            ``delayed_update`` without scaling or clipping) each parameter is judged alone:
-            one with a non-finite gradient is left unchanged, the others update. Master
-            weights and optimizer state never take a non-finite gradient. Default: ``"skip"``.
-        check_host_memory (bool): before allocating, compare the host memory needed with
-            what this process may use (MemAvailable, cgroup limit) and raise
-            ``HostMemoryError`` naming both if it cannot fit. Default: ``True``.
-        delayed_update (bool): opt-in, NOT exact. ``step()`` returns at once and the host
-            update runs during the next forward and backward, which therefore still use
-            the weights from before it; each gradient is applied one step late (computed
-            on weights that lack the latest update), as in DeepSpeed's delayed parameter
-            update. Hides the host update behind GPU work; costs two more gradient-sized
-            host buffers with ``offload_gradients``. Updated weights are copied back as
-            each parameter's gradient is final in the next step's last backward (see
-            :meth:`overlap_next_step`), else at the next ``step()``. ``state_dict()``
-            completes the pending update first. Without ``scale_grads`` or clipping
-            (``overlap_next_step(grad_scale)`` scales), each update scales and checks its
-            own gradient, so step() itself reads no gradient; a parameter with an inf/NaN
-            gradient is then left unchanged while the others update, and the warning or
-            error comes from the next ``step()``. Default: ``False``.
-        host_threads (int, optional): CPU threads for the host update. Default: all but
-            one with a GPU (that core launches the GPU work). Parameters on the CPU update
-            in the training thread with its own count (``torch.set_num_threads``): a
-            second thread's OpenMP team would slow the training thread's every op.
-        device_fraction (float): partial offload. Keep the update of the first trainable
-            parameters (in the order given; for torchtune models the embeddings and first
-            layers, whose gradients arrive last in backward), up to this fraction of all
-            trainable elements, on the device with an ordinary ``optimizer_cls`` there. Costs
-            their optimizer state (and fp32 masters) in device memory; saves that share of
-            the host update, and the tail the next forward waits for. Their gradients stay
-            on the device. Chosen at construction; groups added later are offloaded. With
-            ``delayed_update`` they update without delay. Default: ``0.0`` (all on the host).
+            produces it; scale and clip through :meth:`scale_grads` and
+            :meth:`clip_grad_norm_` then. Default: ``False``.
+        master_weights (bool): opt-in, changes the result: fp32 host copies of bf16/fp16
+            parameters, updated instead of the parameters. Default: ``False`` (bit for bit
+            ``optimizer_cls`` on the parameters).
+        pin_memory (bool): page-lock host buffers (CUDA only). Default: ``True``.
+        nonfinite_grads (str): a step with an inf or NaN gradient: ``"skip"`` (update
+            nothing, warn) or ``"raise"`` (FloatingPointError). Default: ``"skip"``.
+        check_host_memory (bool): raise ``HostMemoryError`` before allocating if the host
+            buffers and state would not fit. Default: ``True``.
+        delayed_update (bool): opt-in, NOT exact: ``step()`` returns at once and the update
+            runs during the next forward and backward (DeepSpeed's delayed parameter
+            update). Default: ``False``.
+        host_threads (int, optional): CPU threads for the host update. Default: all but one
+            with a GPU.
+        device_fraction (float): keep the update of the first trainable parameters, up to
+            this fraction of all trainable elements, on the device. Default: ``0.0``.
         accumulate_on_device (bool): with ``offload_gradients`` and gradient accumulation,
-            leave the gradients on the device until the last backward of the window, which
-            :meth:`overlap_next_step` precedes (else ``step()``, ``scale_grads`` or
-            ``clip_grad_norm_`` moves them). Saves the host one gradient-sized addition per
-            micro-batch, at the cost of a full set of gradients in device memory during
-            accumulation (as with ``offload_gradients=False``); the last micro-batch's
-            gradients still leave during its backward, and updates can start there.
-            Results are unchanged. Default: ``False``.
+            leave gradients on the device until the last backward of the window (see
+            :meth:`overlap_next_step`). Default: ``False``.
         **optimizer_kwargs: hyperparameters for ``optimizer_cls`` (``lr``, ``betas``,
             ``weight_decay``, ``fused``, ...).
 
     Raises:
         ValueError: no trainable parameters, a parameter given twice, parameters on
-            different devices, an unresolvable or unsupported ``optimizer_cls``, or an
-            invalid hyperparameter (reported by ``optimizer_cls`` itself).
+            different devices, an unresolvable or unsupported ``optimizer_cls``, a refused
+            combination of options, or an invalid hyperparameter.
         HostMemoryError: the host buffers and state would not fit (see check_host_memory).
 
     Example:
@@ -295,24 +261,15 @@ class CPUOffloadOptimizer(Optimizer):
         """Clip all trainable gradients by their global norm, as ``torch.nn.utils.clip_grad_norm_``.
 
         The norm is taken over the parameters in ``param_groups`` order, as torch's over the
-        same list: the norm of the per-tensor norms depends on their order in its last bit,
-        so it equals ``clip_grad_norm_(model.parameters())`` bit for bit where the groups
-        list the parameters in the model's order (torchtune's recipes build one group from
-        ``model.parameters()``), and may differ in that bit otherwise.
-
-        With DTensor (FSDP2) parameters the norm covers every rank's shards, and all
-        ranks clip by the same coefficient, as torch's ``clip_grad_norm_`` over the model
-        would; every rank must call it.
-
-        After ``overlap_next_step(clipping=True)`` (2-norm, ``foreach=None``) it adds up the
-        norms taken during backward, and each update job multiplies its gradient by the
-        coefficient before updating (anything else that reads the gradients first gets
-        them multiplied): the same values as clipping here.
+        same list: bit for bit ``clip_grad_norm_(model.parameters())`` where the groups list
+        the parameters in the model's order (torchtune's recipes), else maybe not in the last
+        bit. With DTensor (FSDP2) parameters the norm covers every rank's shards and every
+        rank must call it. After ``overlap_next_step(clipping=True)`` it adds up the norms
+        taken during backward and the updates fold in the coefficient: the same values.
 
         Returns:
-            torch.Tensor: the total norm over ALL trainable parameters before clipping (on
-            the host when gradients are offloaded); a plain tensor, the global norm, also
-            for sharded parameters.
+            torch.Tensor: the total norm over all trainable parameters before clipping (on
+            the host when gradients are offloaded), also the global one when sharded.
 
         Raises:
             ValueError: sharded parameters with a ``norm_type`` other than inf or a
@@ -335,44 +292,26 @@ class CPUOffloadOptimizer(Optimizer):
     ) -> None:
         """Start each parameter's update as soon as the next backward delivers its gradient.
 
-        Call it right before the last backward of an accumulation window, then call
-        ``step()`` as usual: it only waits for the updates that are still running. The
-        host update then overlaps the backward pass instead of following it. Results are
-        the same as scaling with ``scale_grads(grad_scale)`` and stepping afterwards; the
-        updates read the lr and other hyperparameters in ``param_groups`` now.
+        Call it right before the last backward of an accumulation window, then ``step()`` as
+        usual: it only waits for the updates still running, so the host update overlaps
+        the backward pass. Same results as ``scale_grads(grad_scale)`` and stepping after
+        backward; the updates read the hyperparameters in ``param_groups`` now.
+        ``docs/options.md`` ("Methods") has the details and conditions of each argument.
 
         Args:
             grad_scale (float or Tensor, optional): multiply each gradient by this in the
-                update (torchtune's ``1 / num_tokens``), since ``scale_grads`` comes too late;
-                rounded as ``scale_grads`` rounds it (to the gradients' dtype on a GPU).
-            clipping (bool): ``clip_grad_norm_`` will be called before ``step()``. No update
-                may start before it, but each gradient is scaled and its norm taken on
-                its device on the way out (on the host for a sum accumulated there), so
-                ``clip_grad_norm_`` only sums the norms (where torch would), and each
-                update folds the clip coefficient into its pass. Same results as
-                scaling, clipping and stepping afterwards.
-            early_forward (bool): ``step()`` returns once the updates are queued; what is
-                left is updated in forward order, and each module's next forward waits
-                only for its own parameters' new weights (a forward pre-hook on every
-                module until all have arrived), so the next forward overlaps the end of
-                the host update (call this before that forward: it leaves a step still
-                running alone). Same results, if (1) every parameter is first used in the
-                forward of the module it is registered on (true for torchtune's models), and
-                (2) nothing reads the weights before that forward except after
-                :meth:`finish_step` (our recipes call it before saving). A weight that the
-                forward reads without its module's forward (``nn.MultiheadAttention`` reads
-                ``out_proj.weight`` itself) makes the next backward raise RuntimeError, with
-                the previous step complete and no new gradient used. Errors and the
-                inf/NaN report of that step come from the next forward or the next call
-                that needs the step finished. Not with ``torch.compile``d modules (the
-                hook would break their graphs). Refused with ``delayed_update`` and
-                with sharded parameters.
-
-        Which schedule the step then runs is in ``offload_plugin.schedules`` (one table).
+                update (torchtune's ``1 / num_tokens``), rounded as ``scale_grads`` rounds it.
+            clipping (bool): ``clip_grad_norm_`` will be called before ``step()``: each
+                gradient is scaled and normed on its way out, and each update folds the clip
+                coefficient in. Same results as clipping after backward.
+            early_forward (bool): ``step()`` returns once the updates are queued, and each
+                module's next forward waits only for its own parameters' new weights. Same
+                results if every parameter is first used in its own module's forward and
+                nothing reads the weights before then except after :meth:`finish_step`
+                (else the next backward raises). Not with ``torch.compile``d modules.
 
         Raises:
-            ValueError: without ``offload_gradients=True``, whose backward hooks are what
-                bring the gradients to the host early; ``early_forward`` with
+            ValueError: without ``offload_gradients=True``; ``early_forward`` with
                 ``delayed_update`` or sharded parameters.
         """
         self._check_not_taken_over()
@@ -457,20 +396,14 @@ class CPUOffloadOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ state dict
     def state_dict(self) -> dict[str, Any]:
-        """torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``.
-
-        State tensors are the host copies. With master weights, each bf16/fp16 parameter's
-        fp32 master is saved under ``"master_weight"`` so that a resume continues exactly;
-        torch's optimizers ignore that key when loading.
-
-        For a DTensor (FSDP2) parameter, state shaped like its local shard is returned as
-        a DTensor laid out like the parameter (still backed by host memory), which is what
-        ``get_optimizer_state_dict`` and ``torch.distributed.checkpoint`` gather or save
-        by shard; scalar state such as ``step`` stays a plain tensor.
+        """torch's layout: ``{"state": {index: {...}}, "param_groups": [...]}``, with the host
+        copies as state tensors. With master weights, each fp32 master is saved under
+        ``"master_weight"`` so that a resume continues exactly (torch's optimizers ignore
+        it). For a DTensor (FSDP2) parameter, state shaped like its shard is a DTensor laid
+        out like the parameter, as ``torch.distributed.checkpoint`` saves by shard.
 
         Raises:
-            ValueError: a DTensor parameter has state with dimensions that is not shaped
-                like its shard (e.g. factored state), which cannot be saved per shard.
+            ValueError: a DTensor parameter's state is not shaped like its shard.
         """
         self._engine.finish()
         self._engine.check_groups()
@@ -486,26 +419,22 @@ class CPUOffloadOptimizer(Optimizer):
     ) -> None:
         """Load a state dict from this class or any torch optimizer over the same parameters.
 
-        A checkpoint of torchao's CPUOffloadOptimizer (``{"offloaded": ..., "on-device":
-        ...}``) is converted first; give ``torchao_minimal_size`` if it was not built with
-        torchao's default. Every group and entry is checked (keys the optimizer class
-        needs, types, dtypes, exact shapes, finite values) and copied before anything
-        changes, so a refused load leaves parameters, state and groups as they were.
-        Hyperparameters are taken as ``optimizer_cls`` takes them: an Adam checkpoint
-        loaded with AdamW continues as AdamW, as with torch's AdamW. State lands in host
-        memory.
+        A torchao CPUOffloadOptimizer checkpoint (``{"offloaded": ..., "on-device": ...}``)
+        is converted first. Every group and entry is checked (keys, types, dtypes, exact
+        shapes, finite values) and copied before anything changes, so a refused load leaves
+        parameters, state and groups as they were. Hyperparameters are taken as
+        ``optimizer_cls`` takes them. State lands in host memory.
 
         Args:
             state_dict (dict): what ``state_dict()`` of this class or of a torch optimizer
                 returned, or a torchao CPUOffloadOptimizer checkpoint.
-            torchao_minimal_size (int): the ``minimal_size`` of that torchao optimizer.
+            torchao_minimal_size (int): that torchao optimizer's ``minimal_size``.
             allow_nonfinite (bool): load state and master weights that hold inf or NaN
                 (refused by default: the next step would carry them into the weights).
 
         Raises:
             TypeError: ``state_dict`` is not a dict.
-            ValueError: the state dict does not match this optimizer's groups, parameter
-                counts, parameter shapes or optimizer class, or holds a malformed or
+            ValueError: it does not match this optimizer, or holds a malformed or
                 non-finite entry; the message says what differs.
         """
         engine = self._engine
