@@ -43,8 +43,8 @@ Where the update's time goes (one thread, data in cache): on a 16-core Xeon of t
 machine, about 1.85 ns per element against 1.1 for the fp32-master update, which the
 divider bounds, when the codes were decoded by arithmetic; with 15 threads the compact
 update ran at about the fp32-master update's rate, compute-bound, rather than at the 2x
-its 14 bytes per element allow. On a 2-core Sapphire Rapids VM (2026-12-03, 262,144
-elements), by leaving one part out at a time: 1.24 ns per element in all (the exact
+its 14 bytes per element allow. On a 2-core Sapphire Rapids VM (262,144 elements), by
+leaving one part out at a time: 1.24 ns per element in all (the exact
 update 0.65), of which quantizing the two moments 0.39 (their two gathers 0.10),
 decoding them by arithmetic 0.22, sqrt and divide 0.15, packing the 16-bit outputs 0.06.
 Decoding by gather instead took it to 1.10 ns, byte-permute decoding (VBMI) to 1.19.

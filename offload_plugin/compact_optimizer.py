@@ -44,7 +44,9 @@ try:  # (weight_digest's fast path on the host)
 except ImportError:  # pragma: no cover
     np = None
 
-from offload_plugin import bnb_state, compact_adam, host_update
+from offload_plugin import adamw, bnb_state, compact_adam, host_update
+from offload_plugin.inner import InnerOptimizer
+from offload_plugin.weight_sync import WeightTracker, version
 
 __all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "exact_update", "weight_digest"]
 
@@ -58,7 +60,7 @@ def _is_exact(entry: dict) -> bool:
     return _SCALES[0] not in entry
 
 
-class CompactAdamW(Optimizer):
+class CompactAdamW(Optimizer, InnerOptimizer):
     """AdamW (decoupled weight decay) with compact state, for contiguous bf16 CPU tensors:
     the host copies that ``CPUOffloadOptimizer`` updates (with ``master_weights=False``,
     its default, they are bf16).
@@ -74,15 +76,15 @@ class CompactAdamW(Optimizer):
         fused, foreach: accepted for configs written for torch's AdamW; ignored.
     """
 
-    # CPUOffloadOptimizer refuses it with device_fraction and with other than bf16
-    # parameters: its update runs on the bf16 host copies only.
+    # Its contract with CPUOffloadOptimizer (offload_plugin.inner.InnerOptimizer says what
+    # each means). Its update runs on the bf16 host copies only.
     bf16_host_only = True
-    # CPUOffloadOptimizer streams this state through the GPU and updates it there
-    # (offload_plugin.compact_streamed) where it can, as it streams torch's AdamW's moments.
-    streams_compact = True
+    # The streamed update moves this state through the GPU and updates it there
+    # (offload_plugin.compact_streamed) where it can.
+    state_format = "compact"
+    streams_compact = True  # (what streamed.py asks until it asks the format)
     # step(grad_scale=...) applies a gradient scale inside its pass (see step).
     scales_gradients_in_step = True
-    # Group keys a checkpoint may lack, the loading optimizer's own setting then holding:
     # bitsandbytes' AdamW8bit has no "master" (its state entries convert, see check_state_entry).
     optional_group_keys = ("master", "min_8bit_size")
 
@@ -122,7 +124,7 @@ class CompactAdamW(Optimizer):
         the block. The one exception is a resume: loaded remainders carry the digest of their
         weights (weight_digest), and one is kept when its weight, at its next update, has that
         digest, whichever of model and optimizer was loaded first."""
-        self._versions: dict[torch.Tensor, int] = {}
+        self._written = WeightTracker(version)  # (tensors that own their storage)
         self._loaded: dict[torch.Tensor, int] = {}  # p -> digest its loaded remainder needs
         # One rank's rows of a sharded (FSDP2) parameter -> its full shape (see shard_of).
         self._full_shapes: dict[torch.Tensor, torch.Size] = {}
@@ -187,7 +189,6 @@ class CompactAdamW(Optimizer):
                     if self.state.get(p):
                         _check_live_entry(p, self.state[p], group)
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -195,17 +196,12 @@ class CompactAdamW(Optimizer):
                 if p.numel() == 0:  # an empty shard: nothing to update, the count goes on
                     entry["step"] += 1
                     continue
-                written = p._base is None and self._versions.get(p, p._version) != p._version
-                self._settle_remainder(p, p, written)
+                self._settle_remainder(p, p, self._written.changed(p, p))
                 if _is_exact(entry):
                     self._exact_step(p, group, grad_scale)
                 else:
                     state = self._compact(p, group)
-                    compact_adam.step_(
-                        state, p.grad.view(-1), lr=float(group["lr"]), beta1=float(beta1),
-                        beta2=float(beta2), eps=float(group["eps"]),
-                        weight_decay=float(group["weight_decay"]), grad_scale=grad_scale,
-                    )
+                    adamw.compact_step(state, p.grad.view(-1), adamw.Settings.adamw(group), grad_scale)
                     entry["step"].fill_(float(state.step))
                 self._remember_version(p)
         return loss
@@ -215,7 +211,7 @@ class CompactAdamW(Optimizer):
         digest of the weight it belongs to (see _setup_tracking)."""
         params = [p for group in self.param_groups for p in group["params"]]
         for p in params:  # weights written since their last update (CPUOffloadOptimizer's adopts them too)
-            if p._base is None and self._versions.get(p, p._version) != p._version:
+            if self._written.changed(p, p):
                 self._settle_remainder(p, p, written=True)
                 self._remember_version(p)
         sd = super().state_dict()
@@ -259,7 +255,7 @@ class CompactAdamW(Optimizer):
 
     def _remember_version(self, p: torch.Tensor) -> None:
         if p._base is None:
-            self._versions[p] = p._version
+            self._written.matched(p, p)
 
     def init_state(self, p: torch.Tensor, group: dict, empty=torch.empty) -> dict:
         """``p``'s state entry, made if it has none: zeros in the layout its size picks
@@ -294,7 +290,8 @@ class CompactAdamW(Optimizer):
         entry["step"] += 1  # (torch's AdamW counts before its fused kernel)
         grad = p.grad if grad_scale is None else p.grad * grad_scale
         exact_update(p.view(-1), None if remainder is None else remainder.view(-1), grad.reshape(-1),
-                     entry["exp_avg"].view(-1), entry["exp_avg_sq"].view(-1), entry["step"], group)
+                     entry["exp_avg"].view(-1), entry["exp_avg_sq"].view(-1), entry["step"],
+                     adamw.Settings.adamw(group))
 
     def _compact(self, p: torch.Tensor, group: dict) -> compact_adam.CompactAdamState:
         """``p``'s state entry as a CompactAdamState over the same tensors (no copies)."""
@@ -416,7 +413,7 @@ class CompactAdamW(Optimizer):
         """After a load: each remainder saved with a digest waits for its weight (kept at its
         next update if the weight then has that digest, see _setup_tracking); one without
         (an older checkpoint, a conversion) belongs to the weight as it is now."""
-        self._versions, self._loaded = {}, {}
+        self._written, self._loaded = WeightTracker(version), {}
         for group in self.param_groups:
             for p in group["params"]:
                 entry = self.state.get(p)
@@ -641,21 +638,16 @@ def weight_digest(weight: torch.Tensor) -> int:
 
 
 def exact_update(weight: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor,
-                 exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: torch.Tensor, group: dict,
-                 found_inf: Optional[torch.Tensor] = None) -> None:
+                 exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: torch.Tensor,
+                 settings: adamw.Settings, found_inf: Optional[torch.Tensor] = None) -> None:
     """The exact state's update (parameters under min_8bit_size): torch's fused AdamW on the
     fp32 master (``weight`` plus ``remainder``, flat), split back into them in place; the
     count ``step`` already advanced. A step skipped by ``found_inf`` leaves the master as it
     was, and splitting it gives back the same weight and remainder. The streamed update
     runs it on the GPU (compact_streamed)."""
     master = compact_adam.master_of(weight, remainder)
-    beta1, beta2 = group["betas"]
-    torch._fused_adamw_(
-        [master], [grad.float()], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False,
-        lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-        weight_decay=float(group["weight_decay"]), eps=float(group["eps"]), maximize=False,
-        grad_scale=None, found_inf=found_inf,
-    )
+    adamw.fused([master], [grad.float()], [exp_avg], [exp_avg_sq], [step], settings, lr=float(settings.lr),
+                found_inf=found_inf)
     if remainder is None:
         weight.copy_(master)  # plain bf16 weight, rounded to nearest
     else:

@@ -35,10 +35,11 @@ from typing import Optional
 
 import torch
 
-from offload_plugin import compact_adam
+from offload_plugin import adamw, compact_adam
 from offload_plugin.compact_adam import BLOCK
 from offload_plugin.compact_optimizer import exact_update
 from offload_plugin.host_buffers import HostSlot, _huge_page_block, _pin
+from offload_plugin.state_formats import StateFormat
 
 __all__ = ["applies", "POOL", "CompactUnit", "HostState", "Coefficients", "plan_units", "stage_layout",
            "stage_need", "views_in", "stage_in", "update", "stage_out"]
@@ -239,9 +240,7 @@ class Coefficients:
         self._rows: dict = {}
 
     def row(self, group: dict, step: int) -> tuple:
-        beta1, beta2 = group["betas"]
-        key = (float(group["lr"]), float(beta1), float(beta2), float(group["weight_decay"]),
-               float(group["eps"]), step)
+        key = adamw.Settings.adamw(group).compact_key(step)
         row = self._rows.get(key)
         if row is None:
             if len(self._rows) > 4096:  # (a schedule changes lr every step)
@@ -252,36 +251,23 @@ class Coefficients:
 
 
 # ---------------------------------------------------------------------------- the kernels
-_gpu_maps: dict = {}
-
-
-def _maps(device: torch.device):
-    maps = _gpu_maps.get(device)
-    if maps is None:
-        from offload_plugin import compact_gpu
-        maps = _gpu_maps[device] = compact_gpu.GpuMaps(device)
-    return maps
-
-
 def update(unit: CompactUnit, views: tuple, grad: torch.Tensor, coeffs: torch.Tensor,
            found: torch.Tensor, step: torch.Tensor, group: dict) -> None:
     """The unit's update on the current stream, from ``views`` (staged or, on the CPU, the
     host spans themselves): compact state by compact_gpu's kernel (the native CPU kernel in
     tests), exact state by torch's fused AdamW on the fp32 master. Nothing is written when
     ``found`` (the step's verdict) is nonzero."""
+    _update(unit, views, grad, coeffs, found, step, adamw.Settings.adamw(group))
+
+
+def _update(unit: CompactUnit, views: tuple, grad: torch.Tensor, coeffs: Optional[torch.Tensor],
+            found: torch.Tensor, step: torch.Tensor, settings: adamw.Settings) -> None:
     if unit.exact:
         remainder, exp_avg, exp_avg_sq = views
-        exact_update(unit.param, remainder, grad, exp_avg, exp_avg_sq, step, group, found_inf=found)
+        exact_update(unit.param, remainder, grad, exp_avg, exp_avg_sq, step, settings, found_inf=found)
         return
     remainder, m_absmax, v_absmax, m_codes, v_codes = views
-    if unit.param.device.type == "cuda":
-        from offload_plugin import compact_gpu
-        compact_gpu.update_(unit.param, remainder, grad, m_codes, m_absmax, v_codes, v_absmax,
-                            coeffs, found, _maps(unit.param.device))
-        return
-    if not float(found):
-        state = compact_adam.CompactAdamState(unit.param, remainder, m_codes, m_absmax, v_codes, v_absmax)
-        compact_adam.update_(state, grad, coeffs, adamw=True)
+    adamw.compact(unit.param, remainder, grad, m_codes, m_absmax, v_codes, v_absmax, coeffs, found)
 
 
 def stage_in(unit: CompactUnit, views: tuple) -> None:
@@ -307,3 +293,107 @@ def views_in(unit: CompactUnit, ring, index: int, at: int, at_byte: int) -> tupl
         rem, raw = ring.buffers(POOL, index)
         views = unit.stage_views[(index, at, at_byte)] = _stage_views(unit, rem, raw, at, at_byte)
     return views
+
+
+# ---------------------------------------------------------------------------- the format
+class CompactFormat(StateFormat):
+    """CompactAdamW's state as a state format (offload_plugin.state_formats)."""
+
+    name = "compact"
+    needs = ("init_state", "before_update", "weight_replaced", "check_state_entry", "saved_entry")
+    counts_on_host = True  # (the coefficients come from each parameter's count)
+    watches_weights = True  # (a written weight restarts its master: its remainder goes)
+
+    def __init__(self) -> None:
+        self._host_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # inner -> HostState
+        self._coefficients = Coefficients()
+
+    def refuses(self, params, settings: dict, on_cpu: bool) -> Optional[str]:
+        device = params[0].device
+        if device.type == "cpu" and on_cpu:
+            pass  # (tests: the native CPU kernel on the host state in place)
+        elif device.type != "cuda":
+            return "parameters not on a CUDA device"
+        elif importlib.util.find_spec("triton") is None:
+            return "Triton is not installed (torch's CUDA wheels bring it)"
+        if not all(p.dtype == torch.bfloat16 for p in params):
+            return "CompactAdamW updates bf16 parameters"
+        return None
+
+    def state_bytes(self, param: torch.Tensor) -> int:
+        return 4  # (remainder 2, codes 1 + 1, the block scales 8 per 256)
+
+    def entries(self, inner, slots: list, group_of: list, pin: bool) -> list[dict]:
+        host = self._host_states.get(inner)
+        if host is None:
+            host = self._host_states[inner] = HostState(pin=pin)
+        return host.ensure(inner, slots, [inner.param_groups[g] for g in group_of])
+
+    def cut(self, slots: list, entries: list, group_of: list, chunk_numel: int) -> list:
+        units = plan_units(slots, entries, group_of, chunk_numel)
+        place = {id(s): i for i, s in enumerate(slots)}
+        for unit in units:
+            unit.at = place[id(unit.slot)]
+        return units
+
+    def reserve(self, ring, unit: CompactUnit) -> None:
+        need, _ = stage_need(unit)
+        ring.reserve(POOL, 4 * need if unit.exact else need, layout=stage_layout)
+
+    def stage_size(self, unit: CompactUnit) -> tuple:
+        return (POOL, *stage_need(unit))
+
+    def staged_views(self, unit: CompactUnit, ring, index: int, at: int, at_byte: int) -> tuple:
+        return views_in(unit, ring, index, at, at_byte)
+
+    def host_views(self, unit: CompactUnit) -> tuple:
+        return unit.host
+
+    def stage_in(self, unit: CompactUnit, views: tuple) -> None:
+        stage_in(unit, views)
+
+    def stage_out(self, unit: CompactUnit, views: tuple) -> None:
+        stage_out(unit, views)
+
+    def check_step(self, amp_scale) -> None:
+        if amp_scale is not None:
+            raise ValueError(
+                "CPUOffloadOptimizer: CompactAdamW's streamed update takes no GradScaler scale "
+                "(its parameters are bf16, which needs no loss scaling): leave the GradScaler "
+                "out, or unscale the gradients with scaler.unscale_(optimizer) first. Nothing "
+                "was updated.")
+
+    def step_args(self, inner, slots: list, units: list, groups: list, counts: list, amp_scale) -> list:
+        for slot in slots:  # (a remainder loaded with its weight's digest: checked now)
+            inner.before_update(slot.master, slot.param)
+        made, args = {}, []
+        for unit in units:  # (a row per group and count: the units of a step share them)
+            key = (unit.group, int(counts[unit.slot.order]) + 1)
+            if not unit.exact and key not in made:
+                made[key] = self._coefficients.row(groups[key[0]], key[1])
+            args.append((None if unit.exact else made[key], adamw.Settings.adamw(groups[unit.group])))
+        return args
+
+    def to_device(self, args: list, ring) -> list:
+        """The rows in one copy: each distinct row -> its tensor on the device."""
+        rows = list(dict.fromkeys(row for row, _ in args if row is not None))
+        if not rows:
+            return args
+        host = torch.tensor(rows, dtype=torch.float32, pin_memory=ring.is_async)
+        table = dict(zip(rows, (host.to(ring.device, non_blocking=True) if ring.is_async else host).unbind()))
+        return [(None if row is None else table[row], settings) for row, settings in args]
+
+    def update(self, unit: CompactUnit, views: tuple, grads: list, steps: list, found: torch.Tensor,
+               args) -> None:
+        coeffs, settings = args
+        _update(unit, views, grads[unit.at].view(-1)[unit.start:unit.end], coeffs, found, steps[unit.at], settings)
+
+    def weights_written(self, inner, slots: list) -> None:
+        for slot in slots:
+            inner.weight_replaced(slot.master, slot.param)
+
+    def check_entry(self, inner, where: str, entry, param: torch.Tensor, group: dict) -> Optional[dict]:
+        return inner.check_state_entry(where, entry, param, group)
+
+
+FORMAT = CompactFormat()

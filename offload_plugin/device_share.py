@@ -17,7 +17,8 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin.host_buffers import master_dtype_for, weight_mark
+from offload_plugin.host_buffers import master_dtype_for
+from offload_plugin.weight_sync import WeightTracker
 
 __all__ = ["DeviceShare", "choose_kept"]
 
@@ -62,9 +63,9 @@ class DeviceShare:
         self._master_weights = master_weights
         self.optimizer: Optional[Optimizer] = None
         self.target: dict[torch.Tensor, torch.Tensor] = {}  # param -> what the optimizer updates
-        # weight_mark of each parameter with a master when the master last matched it
-        # (see weight_sync); the optimizer's own writes go through .data and leave it.
-        self._marks: dict[torch.Tensor, tuple] = {}
+        # The parameters with a master, each watched since the master last matched it (see
+        # weight_sync); the optimizer's own writes go through .data and leave their marks.
+        self._written = WeightTracker()
 
     def __contains__(self, param: torch.Tensor) -> bool:
         return param in self.target
@@ -74,7 +75,7 @@ class DeviceShare:
             dtype = master_dtype_for(p, self._master_weights)
             self.target[p] = p if dtype == p.dtype else p.detach().to(dtype).requires_grad_()
             if self.target[p] is not p:
-                self._marks[p] = weight_mark(p)
+                self._written.matched(p, p)
         group = dict(hyperparameters, params=[self.target[p] for p in params])
         if self.optimizer is None:
             self.optimizer = self._cls([group], **self._kwargs)
@@ -94,12 +95,12 @@ class DeviceShare:
         """Masters follow weights changed outside the optimizer (as in weight_sync, on the
         device): unless a weight is still exactly its master rounded. Parameters without a
         master are updated in place by the optimizer, as torch's are."""
-        for p, mark in self._marks.items():
-            if all_params or weight_mark(p) != mark:
+        for p in self._written.keys():
+            if all_params or self._written.changed(p, p):
                 target = self.target[p]
                 if not torch.equal(target.to(p.dtype).view(torch.int16), p.detach().view(torch.int16)):
                     target.copy_(p)
-                self._marks[p] = weight_mark(p)
+                self._written.matched(p, p)
 
     @torch.no_grad()
     def step(self, outer_groups: list[dict], grad_scale: Optional[float] = None) -> None:
@@ -138,4 +139,7 @@ class DeviceShare:
         # As on the host (checkpoint.write_weights): the parameter is left as it is, and a
         # weight that is not the saved master rounded is decided at the next step.
         matches = torch.equal(target.to(param.dtype).view(torch.int16), param.detach().view(torch.int16))
-        self._marks[param] = weight_mark(param) if matches else ()
+        if matches:
+            self._written.matched(param, param)
+        else:
+            self._written.unknown(param)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin import native_adam
+from offload_plugin import adamw, native_adam
 from offload_plugin.host_buffers import HostSlot, back_to_back
 
 __all__ = ["uses_fused_adam", "check_hyperparameters", "update_slots", "forget_batches"]
@@ -133,63 +133,21 @@ def _check_adam_state(state: dict, master: torch.Tensor, amsgrad: bool) -> None:
             state[key] = value.contiguous()
 
 
-def _native_kernel(master, grad, stage, amsgrad) -> Optional["native_adam.NativeAdam"]:
-    """The one-pass kernel if it applies here: a bf16 gradient and an fp32 master (bf16
-    weight out) or a bf16 weight (no master weights), no amsgrad."""
-    if not USE_NATIVE or amsgrad or grad.dtype != torch.bfloat16:
-        return None
-    if master.dtype == torch.float32:
-        if stage is not None and stage.dtype != torch.bfloat16:
-            return None
-    elif master.dtype != torch.bfloat16 or stage is not None:
-        return None
-    native = native_adam.kernel()
-    return native if native is not None and master.dtype in native.dtypes else None
-
-
 def _fused_adam_update(
     optimizer: Optimizer, group: dict, slot: HostSlot, state: dict, grad_scale: Optional[float]
 ) -> None:
     """One slot's step from its ``state`` (as _adam_state gave it: checked, complete)."""
-    amsgrad = group["amsgrad"]
     state["step"] += 1
-    decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    beta1, beta2 = group["betas"]
-    master, grad = slot.master.view(-1), slot.grad.view(-1)
-    m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
-    vmax = state["max_exp_avg_sq"].view(-1) if amsgrad else None
-    stage = slot.weight_stage.view(-1) if slot.weight_stage is not None else None
-    start = 0
-    native = _native_kernel(master, grad, stage, amsgrad)
-    if native is not None:
-        # Whole vectors in one pass; torch's kernel treats a tensor's last elements apart
-        # (scalar code), so they take the loop below with the same step.
-        start = master.numel() - master.numel() % native.align(master.dtype)
-        native.step(
-            master[:start], grad[:start], m[:start], v[:start],
-            stage[:start] if stage is not None else None,
-            lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-            weight_decay=group["weight_decay"], eps=group["eps"], step=state["step"].item(),
-            adamw=decoupled, maximize=group["maximize"], grad_scale=grad_scale,
-            num_threads=torch.get_num_threads(),
-        )
-    for a in range(start, master.numel(), CHUNK_NUMEL):
-        b = a + CHUNK_NUMEL
-        g = grad[a:b]
-        if grad_scale is not None:
-            g = g * grad_scale  # in the gradient's dtype, rounded as scale_grads would
-        if g.dtype != master.dtype:
-            g = g.to(master.dtype)
-        kernel(
-            [master[a:b]], [g], [m[a:b]], [v[a:b]], [vmax[a:b]] if amsgrad else [],
-            [state["step"]],
-            amsgrad=amsgrad, lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-            grad_scale=None, found_inf=None,
-        )
-        if stage is not None:
-            stage[a:b].copy_(master[a:b])
+    adamw.host_step(
+        slot.master.view(-1), slot.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
+        state["step"], _settings(optimizer, group),
+        max_exp_avg_sq=state["max_exp_avg_sq"].view(-1) if group["amsgrad"] else None,
+        weight_out=slot.weight_stage.view(-1) if slot.weight_stage is not None else None,
+        grad_scale=grad_scale, chunk=CHUNK_NUMEL, allow_native=USE_NATIVE)
+
+
+def _settings(optimizer: Optimizer, group: dict) -> adamw.Settings:
+    return adamw.Settings.of(group, decoupled=isinstance(optimizer, torch.optim.AdamW))
 
 
 def _one_native_call(slot: HostSlot, group: dict) -> bool:
@@ -199,7 +157,7 @@ def _one_native_call(slot: HostSlot, group: dict) -> bool:
         return False
     if slot.native_whole is None:  # a slot's buffers never change: work it out once
         master, stage = slot.master, slot.weight_stage
-        native = _native_kernel(master, slot.grad, stage, False)
+        native = native_adam.kernel() if adamw.pick(master, slot.grad, weight_out=stage) == adamw.NATIVE else None
         slot.native_whole = (
             native is not None and native.can_step_many and master.numel() > 0
             and master.numel() % native.align(master.dtype) == 0
@@ -287,22 +245,9 @@ def _fused_adam_many(optimizer: Optimizer, group: dict, batch: _Batch, grad_scal
             _fused_adam_update(optimizer, group, slot, state, grad_scale)
         return
     batch.counts.add_(1)  # each slot's state["step"] += 1 (float32): they are its views
-    steps = batch.counts.tolist()
-    decoupled = group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW))
-    beta1, beta2 = group["betas"]
-    hyper = dict(lr=float(group["lr"]), beta1=float(beta1), beta2=float(beta2),
-                 weight_decay=group["weight_decay"], eps=group["eps"], adamw=decoupled,
-                 maximize=group["maximize"], grad_scale=grad_scale, num_threads=torch.get_num_threads())
-    native = native_adam.kernel()
-    tensors, spans = batch.tensors, batch.spans
-    # Back to back in host memory (as the arena and allocate_moments lay slots out) and at
-    # one step count: the batch is one tensor to the kernel, which updates each element
-    # on its own; every slot is a whole number of its vectors, so each element takes the
-    # same instructions as in a call per slot.
-    if spans is not None and steps.count(steps[0]) == len(steps):
-        native.step(*spans[:4], spans[4] if len(spans) > 4 else None, step=steps[0], **hyper)
-    else:
-        native.step_many(*tensors[:4], tensors[4] if len(tensors) > 4 else None, steps, **hyper)
+    tensors = batch.tensors
+    adamw.host_step_many(*tensors[:4], tensors[4] if len(tensors) > 4 else None, batch.counts.tolist(),
+                         _settings(optimizer, group), spans=batch.spans, grad_scale=grad_scale)
 
 
 def update_slots(

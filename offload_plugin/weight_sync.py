@@ -27,13 +27,55 @@ of its own (autograd does not see them either). After such a write, call
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Callable, Hashable, Iterable
 
 import torch
 
 from offload_plugin.host_buffers import HostSlot, weight_mark
 
-__all__ = ["weight_mark", "changed_slots", "adopt_weight", "bits_equal"]
+__all__ = ["weight_mark", "version", "WeightTracker", "changed_slots", "adopt_weight", "bits_equal"]
+
+
+def version(param: torch.Tensor) -> int:
+    """A mark that in-place writes move: the tensor's version counter. For a weight the
+    optimizer updates in place through a raw pointer (CompactAdamW on its host tensors,
+    the streamed update on the parameter), whose new storage, if any, shows elsewhere."""
+    return param._version
+
+
+class WeightTracker:
+    """Which watched weights were written outside the optimizer since it last matched them.
+
+    One record per key (a parameter, a slot's order, ...): the weight's mark (``mark``:
+    :func:`weight_mark` by default, or :func:`version`) when the optimizer's copy, or what it
+    derived from the weight, last matched it. A key never recorded counts as unchanged; one
+    recorded as unknown (:meth:`unknown`) as changed, whatever the weight holds."""
+
+    def __init__(self, mark: Callable[[torch.Tensor], Hashable] = weight_mark) -> None:
+        self._mark = mark
+        self._marks: dict = {}
+
+    def matched(self, key, param: torch.Tensor) -> None:
+        """The optimizer's copy of ``param`` (recorded under ``key``) matches it now."""
+        self._marks[key] = self._mark(param)
+
+    def unknown(self, key) -> None:
+        """Whether the optimizer's copy matches is not known: the next check says changed."""
+        self._marks[key] = None
+
+    def watches(self, key) -> bool:
+        return key in self._marks
+
+    def changed(self, key, param: torch.Tensor) -> bool:
+        """Whether ``param`` was written since it was last matched under ``key``."""
+        mark = self._marks.get(key, ...)
+        return mark is not ... and mark != self._mark(param)
+
+    def keys(self) -> list:
+        return list(self._marks)
+
+    def clear(self) -> None:
+        self._marks.clear()
 
 
 def changed_slots(slots: Iterable[HostSlot]) -> list[HostSlot]:
