@@ -33,6 +33,7 @@ __all__ = [
     "qlora_tiny_llama",
     "make_examples",
     "prepare",
+    "check_prepared",
 ]
 
 # Every quantized linear must hold a multiple of 16384 elements for NF4 (QLoRA):
@@ -46,6 +47,7 @@ TINY_LLAMA_ARGS = dict(
     intermediate_dim=256,
     max_seq_len=256,
 )
+DEFAULT_DIR = "/tmp/offload-plugin/demo"
 TOKENIZER_FILE = "tokenizer.model"
 DATA_FILE = "alpaca_tiny.json"
 CHECKPOINT_FILE = "model/model.pt"
@@ -200,6 +202,44 @@ def prepare(output_dir: str, seed: int = 0, num_examples: int = 2000) -> dict:
     }
 
 
+def check_prepared(cfg) -> None:
+    """Refuse a config on the demo model whose demo files are missing, naming the command
+    that writes them.
+
+    Without this, torchtune's checkpointer is the first to look and says only
+    ``... is not a valid directory``, which does not tell a new user that the files come
+    from ``python -m offload_plugin.demo prepare``. Configs on other models are left alone.
+
+    Args:
+        cfg: a recipe's config (a mapping with ``model``, ``checkpointer``, ``tokenizer``
+            and optionally ``dataset`` and ``demo_dir``).
+
+    Raises:
+        FileNotFoundError: the demo model's config reads a file or folder that does not exist.
+    """
+    component = str(cfg.get("model", {}).get("_component_", ""))
+    if not component.startswith(f"{__name__}."):
+        return
+    checkpointer = cfg.get("checkpointer", {})
+    read = [checkpointer.get("checkpoint_dir"), cfg.get("tokenizer", {}).get("path")]
+    data_files = cfg.get("dataset", {}).get("data_files")
+    if isinstance(data_files, str):  # a list or a hub name is the dataset's own business
+        read.append(data_files)
+    missing = [str(path) for path in read if path is not None and not Path(path).exists()]
+    if not missing:
+        return
+    demo_dir = str(cfg.get("demo_dir", DEFAULT_DIR))
+    command = "python -m offload_plugin.demo prepare"
+    if Path(demo_dir) != Path(DEFAULT_DIR):
+        command += f" --output-dir {demo_dir}"
+    raise FileNotFoundError(
+        f"The demo config reads {', '.join(missing)}, which {'does' if len(missing) == 1 else 'do'} "
+        "not exist. These are the tiny "
+        f"demo model's files, written offline by `{command}`: run that first (it takes seconds), "
+        "then this command again."
+    )
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m offload_plugin.demo",
@@ -208,7 +248,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="write tokenizer, dataset and checkpoint")
     # Not /tmp/offload_plugin: run from /tmp, a folder of that name would shadow this package.
-    prep.add_argument("--output-dir", default="/tmp/offload-plugin/demo")
+    prep.add_argument("--output-dir", default=DEFAULT_DIR)
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--num-examples", type=int, default=2000)
     args = parser.parse_args(argv)

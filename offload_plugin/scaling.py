@@ -237,11 +237,17 @@ class Scaling:
             if all(float(g["lr"]) == 0 for g in param_groups):
                 return
             self._warned_unscaled = True
+            # The leading newline: torchtune's recipes draw a tqdm bar on the same stream
+            # without ending its line, and the warning would otherwise run on from it.
             log.warning(
-                "CPUOffloadOptimizer(offload_gradients=True): step() ran without "
-                "optimizer.scale_grads() or optimizer.clip_grad_norm_() since zero_grad(). "
-                "torchtune's training.scale_grads(model, ...) and "
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) cannot see "
-                "offloaded gradients. Use offload_plugin's recipes, call the optimizer's "
-                "methods, or set offload_gradients=False. (Shown once.)"
+                "\nCPUOffloadOptimizer(offload_gradients=True): step() ran without "
+                "optimizer.scale_grads() or optimizer.clip_grad_norm_() since zero_grad(), so "
+                "the gradients were applied unscaled and unclipped. torchtune's stock recipes "
+                "call training.scale_grads(model, ...) and "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which cannot see "
+                "offloaded gradients (they are no longer on model.parameters()): the "
+                "grad_norm such a recipe logs is then 0.0. With a stock recipe set "
+                "optimizer.offload_gradients=False; to offload gradients use offload_plugin's "
+                "recipes (tune run offload_plugin/recipes/...) or call the optimizer's "
+                "scale_grads() and clip_grad_norm_() in your loop. (Shown once.)"
             )

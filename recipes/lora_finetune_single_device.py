@@ -35,7 +35,7 @@ from torchtune.modules.peft import (
 from torchtune.recipe_interfaces import FTRecipeInterface
 from tqdm import tqdm  # a torchtune dependency; torchtune's recipes show the same bar
 
-from offload_plugin import recipe_utils
+from offload_plugin import demo, recipe_utils
 
 log = utils.get_logger("DEBUG")
 
@@ -87,6 +87,9 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
 
     def setup(self, cfg: Mapping) -> None:
         """Build every component; on resume, restore model, optimizer and recipe state."""
+        # A demo config without its files: name the command that writes them, before
+        # torchtune's checkpointer fails with only `... is not a valid directory`.
+        demo.check_prepared(cfg)
         self._metric_logger = config.instantiate(cfg.metric_logger)
         self._metric_logger.log_config(cfg)
         ckpt = self._setup_checkpointer(cfg.checkpointer)
