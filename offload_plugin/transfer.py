@@ -109,7 +109,7 @@ class _CudaRuntime:
     switch, each copy, the event) gives the GIL up and waits to get it back: a batch of 1-4
     copies cost 34-98 us alone and 59-171 us beside a thread launching kernels, against
     14-57 us and 19-75 us this way (bench/copy_issue_cost.py on the H200 machine,
-    bench/results/2026-11-30-x2-s8-copy_issue_cost.json). Over a Llama-3.1-8B 4k step the
+    bench/results/*-copy_issue_cost.json). Over a Llama-3.1-8B 4k step the
     host worker's time issuing copies went from about 0.045 s to 0.02 s (one A/B, traced).
     A separate issuing thread was tried first: steps got no faster and the update ran
     slower beside it (one thread more on the cores that the update's OpenMP team fills).
