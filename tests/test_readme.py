@@ -1,9 +1,11 @@
 """Every command in README.md and docs/*.md is run here, or, where it needs a download or a GPU, checked.
 
-Commands that only need this repository (the demo configs, bench/report.py, trace_report.py
-on a committed result) run verbatim; commands for the real-model configs are checked for the
-files and torchtune names they use; benchmark commands for the scripts, flags, stages and
-optimizer names they use. Links between the pages must reach a file and a section.
+Commands that only need this repository (the demo configs, torchtune's stock recipes on the
+tests' tiny configs, the resume example, bench/report.py, trace_report.py on a committed
+result) run verbatim; commands for the real-model configs are checked for the files and
+torchtune names they use; benchmark commands for the scripts, flags, stages and optimizer names
+they use. Links between the pages must reach a file and a section; the pages keep to their
+lengths and carry no run diaries.
 """
 
 import functools
@@ -11,6 +13,7 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,9 +103,22 @@ def test_demo_quick_start_trains(tmp_path):
     assert (where / "epoch_0" / "adapter_model.pt").is_file()
 
 
+# Configs that need only the demo files: ours, and the tests' tiny configs for torchtune's
+# stock recipes (way 2's offline example).
+LOCAL_CONFIGS = ("configs/demo/", "tests/assets/stock_recipes/")
+
+
+def _resume_pair():
+    """The README's resume example: a run, then the command that resumes it."""
+    commands = _commands()[2:]
+    (pair,) = [(commands[i - 1], c) for i, c in enumerate(commands) if "resume_from_checkpoint=True" in c]
+    return pair
+
+
 def _local_commands():
-    """README commands on the demo configs: runnable here (device=cuda falls back to CPU)."""
-    return [c for c in _commands()[2:] if "configs/demo/" in c]
+    """README commands on the demo files: runnable here (device=cuda falls back to CPU). The
+    resume example runs as a pair in its own test."""
+    return [c for c in _commands()[2:] if any(d in c for d in LOCAL_CONFIGS) and c not in _resume_pair()]
 
 
 def _runs_here(command):
@@ -215,13 +231,65 @@ def test_demo_commands_run(command, tmp_path):
     _run(f"python -m offload_plugin.demo prepare && {command}", cwd, tmp_path)
 
 
+def _logged_steps(log_dir):
+    text = "".join(p.read_text() for p in Path(log_dir).glob("*.txt"))
+    return [int(v) for v in re.findall(r"^Step (\d+) \|", text, flags=re.M)]
+
+
+def test_resume_example_resumes_after_the_saved_epoch(tmp_path):
+    """The README's resume command, verbatim, after its first command stopped once epoch_0 was
+    saved (its second epoch's files removed, as if it had been killed): it trains the second
+    epoch only and saves it."""
+    first, resume = _resume_pair()
+    out = Path("/tmp/offload-plugin/tiny_full_offload")  # the demo config's output_dir
+    shutil.rmtree(out, ignore_errors=True)
+    _run(f"python -m offload_plugin.demo prepare && {first}", REPO, tmp_path)
+    assert _logged_steps(out / "logs") == list(range(1, 41))
+    shutil.rmtree(out / "epoch_1")
+    shutil.rmtree(out / "logs")
+    _run(resume, REPO, tmp_path)
+    assert _logged_steps(out / "logs") == list(range(21, 41))
+    assert (out / "epoch_1" / "model-00001-of-00001.bin").is_file()
+
+
+def test_way_two_has_offline_stock_recipe_commands():
+    """Way 2 shows torchtune's stock recipes (by name, not our files) on the demo files, among
+    them one with only optimizer._component_ changed; test_demo_commands_run runs them."""
+    way2 = README.split("### 2. ", 1)[1].split("\n### ", 1)[0]
+    stock = [c for c in _commands(way2) if any(d in c for d in LOCAL_CONFIGS)]
+    assert stock and all(shlex.split(c)[2] in _torchtune_config_names()[1] for c in stock)
+    assert any(c.endswith(" optimizer._component_=offload_plugin.CPUOffloadOptimizer") for c in stock)
+
+
+def test_config_table_lists_every_demo_config():
+    """Each file of configs/demo/ is named in the README's table of configs."""
+    for path in (REPO / "configs" / "demo").glob("*.yaml"):
+        assert re.search(rf"^\|.*`{re.escape(path.name)}`", README, flags=re.M), path.name
+
+
+@pytest.mark.parametrize("page,limit", [("README.md", 250), ("docs/performance.md", 300)])
+def test_pages_keep_to_their_length(page, limit):
+    assert len((REPO / page).read_text().splitlines()) <= limit
+
+
+def test_no_run_diaries_in_the_docs_and_configs():
+    """How results were reached lives in commit messages and bench/results/, not in the pages,
+    configs or recipes: no session numbers, no dated measurements (raw file names may carry dates)."""
+    assert not (REPO / "docs" / "notes.md").exists()
+    paths = [*PAGES, *(REPO / "configs").rglob("*.yaml"), *(REPO / "recipes").glob("*.py")]
+    for path in paths:
+        text = re.sub(r"bench/results/\S*|`[^`]*\.(json|txt)`", "", path.read_text())
+        assert not re.search(r"\bsessions? [0-9]+\b|\(s[0-9]{2}\)", text, flags=re.I), path
+        assert not re.search(r"\b20[0-9]{2}-[0-9]{2}-[0-9]{2}\b", text), path
+
+
 def _torchtune_config_names():
     from torchtune._recipe_registry import get_all_recipes
 
     return {c.name for r in get_all_recipes() for c in r.configs}, {r.name for r in get_all_recipes()}
 
 
-@pytest.mark.parametrize("command", [c for c in _commands()[2:] if "configs/demo/" not in c and not _runs_here(c)])
+@pytest.mark.parametrize("command", [c for c in _commands()[2:] if not any(d in c for d in LOCAL_CONFIGS) and not _runs_here(c)])
 def test_other_commands_name_real_files(command):
     """Commands for real models name recipes and configs that exist (here or in torchtune);
     benchmark and GPU-check commands name scripts, flags and stages that exist."""
