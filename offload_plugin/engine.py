@@ -15,23 +15,22 @@ never back.
 
 :class:`Engine` is what both have, and the interface the optimizer calls:
 
-=========================  ================================================================
-``attach(group, params)``  host slots (and state) for a group torch has accepted
-``step()``                 update every parameter with a gradient
-``finish()``               wait for anything still in flight; raise its errors
-``zero_grad(...)``         reset the gradients, wherever they are
-``grads_in_place(what)``   the gradients that scaling and clipping act on
-``state_of(param)``        where ``optimizer.state[param]`` lives
-``forget_state()``         the state was replaced (load, ``state[p] = ...``)
-``check_groups()``         follow the groups' members edited by hand (or refuse)
-``adopt_changed_weights``  take over weights written outside the optimizer
-``reload_weights()``       re-read every weight (``param.data`` writes)
-=========================  ================================================================
+- ``attach(group, params, on_device)``: host slots (and state) for a group torch accepted;
+- ``step()``: update every parameter with a gradient; ``finish()``: wait for anything
+  still in flight and raise its errors;
+- ``zero_grad``, ``scale_grads``, ``clip_grad_norm_``: as the optimizer's, on the
+  gradients wherever they are;
+- ``state_of(param)``: where ``optimizer.state[param]`` lives; ``forget_state()``: it was
+  replaced (a load, ``state[p] = ...``); ``host_memory_bytes()``;
+- ``note_groups()``, ``check_groups()``: follow the groups' members edited by hand, or
+  refuse;
+- ``adopt_changed_weights()``: take over weights written outside the optimizer;
+  ``reload_weights()``: re-read every weight (``param.data`` writes).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch.optim import Optimizer
@@ -170,6 +169,16 @@ class Engine:
         self.scaling.apply_clip_now(grads)
         return grads
 
+    def scale_grads(self, factor: Union[float, torch.Tensor]) -> None:
+        self.scaling.scale(self.grads_in_place("scale_grads()"), factor)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float, error_if_nonfinite: bool,
+                        foreach: Optional[bool]) -> torch.Tensor:
+        grads = self.grads_in_place("clip_grad_norm_()")
+        params = [p for p, _ in self.ready_pairs()] if self.slots.sharded else []
+        return self.scaling.clip(params, grads, self.slots.meshes, max_norm, norm_type,
+                                 error_if_nonfinite, foreach)
+
     def zero_grad(self, set_to_none: bool, clear: Callable[[], None]) -> None:
         """Reset the gradients: ``clear`` is torch's zero_grad of the model's ``.grad``."""
         self.scaling.reset()
@@ -177,6 +186,12 @@ class Engine:
         self.scaling.finite.clear()
 
     # ------------------------------------------------------------------ state
+    def host_memory_bytes(self) -> int:
+        """Host bytes held: master weights, gradients, staging and state."""
+        state_bytes = sum(v.numel() * v.element_size() for entry in self.inner.state.values()
+                          for v in entry.values() if isinstance(v, torch.Tensor))
+        return self.arena.nbytes() + state_bytes
+
     def state_of(self, param: torch.Tensor) -> Optional[tuple[dict, torch.Tensor]]:
         """The state mapping that holds ``param``'s state and its key there, or None."""
         slot = self.slots.get(param)

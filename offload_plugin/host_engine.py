@@ -236,6 +236,16 @@ class HostEngine(Engine):
                 pairs.append((p, local_part(p.grad)))
         return pairs
 
+    def scale_grads(self, factor: Union[float, torch.Tensor]) -> None:
+        overlap, norms = self.overlap, self.scaling.clip_norms
+        if overlap is not None and (overlap.pending_scale is not None or (
+                norms is not None and norms.grad_scale is not None)):
+            raise RuntimeError(
+                "scale_grads() after overlap_next_step(grad_scale=...): the scale is "
+                "already applied once; call one or the other."
+            )
+        super().scale_grads(factor)
+
     def grads_in_place(self, action: str) -> list[torch.Tensor]:
         """The gradients scaling and clipping act on: device ``.grad`` or offloaded copies."""
         early_forward.finish(self)

@@ -240,15 +240,7 @@ class CPUOffloadOptimizer(Optimizer):
         Equivalent to torchtune's ``training.scale_grads(model, factor)``, which cannot
         reach offloaded gradients (they are ``None`` on the model).
         """
-        engine = self._engine
-        overlap, norms = engine.overlap, engine.scaling.clip_norms
-        if overlap is not None and (overlap.pending_scale is not None or (
-                norms is not None and norms.grad_scale is not None)):
-            raise RuntimeError(
-                "scale_grads() after overlap_next_step(grad_scale=...): the scale is "
-                "already applied once; call one or the other."
-            )
-        engine.scaling.scale(engine.grads_in_place("scale_grads()"), factor)
+        self._engine.scale_grads(factor)
 
     @torch.no_grad()
     def clip_grad_norm_(
@@ -275,11 +267,7 @@ class CPUOffloadOptimizer(Optimizer):
             ValueError: sharded parameters with a ``norm_type`` other than inf or a
                 positive number.
         """
-        engine = self._engine
-        grads = engine.grads_in_place("clip_grad_norm_()")
-        params = [p for p, _ in engine.ready_pairs()] if engine.slots.sharded else []
-        return engine.scaling.clip(params, grads, engine.slots.meshes, max_norm, norm_type,
-                                   error_if_nonfinite, foreach)
+        return self._engine.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients on the device and in host memory (see torch.optim.Optimizer)."""
@@ -454,13 +442,7 @@ class CPUOffloadOptimizer(Optimizer):
     # ------------------------------------------------------------------ reporting
     def host_memory_bytes(self) -> int:
         """Host bytes held for the optimizer: master weights, gradients, staging and state."""
-        state_bytes = sum(
-            v.numel() * v.element_size()
-            for st in self._engine.inner.state.values()
-            for v in st.values()
-            if isinstance(v, torch.Tensor)
-        )
-        return self._engine.arena.nbytes() + state_bytes
+        return self._engine.host_memory_bytes()
 
     def __repr__(self) -> str:
         body = super().__repr__().split(" (", 1)[1]
