@@ -5,7 +5,7 @@ hook, as soon as autograd has accumulated it (:meth:`GradientPath.offload`), and
 device memory is freed; a second micro-batch's gradient lands beside the running sum and
 the host worker adds it. Without, the recipe keeps ``.grad`` on the device (it scales and
 clips there) and ``step()`` copies them over (:meth:`GradientPath.copy_at_step`). Either
-way a slot's gradient is complete once :meth:`GradientPath.settle` has waited for its
+way a slot's gradient is complete once :meth:`GradientPath.complete` has waited for its
 copies and added what landed.
 """
 
@@ -74,7 +74,7 @@ class GradientPath:
         ``before(device_grad)`` runs on the device first (see Transfers.to_host); with
         ``extremes`` the gradient's minimum and maximum come along, so that the host can
         judge a first gradient without a pass over it. ``add_in_worker``: the host worker
-        adds an accumulated gradient as soon as it lands (else whoever settles it does).
+        adds an accumulated gradient as soon as it lands (else whoever completes it does).
         """
         param = slot.param
         check_dense(param.grad)
@@ -90,14 +90,14 @@ class GradientPath:
             # worker adds it (in the gradient's dtype, as autograd would on the device)
             # while this thread goes on launching the backward. The previous micro-batch's
             # addition is normally done by now; if not, this thread does it first.
-            self.settle(slot)
+            self.complete(slot)
             slot.extremes_current = False  # they describe one micro-batch, not the sum
             if slot.incoming is None:
                 self._give_landing_buffers()
             slot.incoming_event = self.transfers.to_host([(grad, slot.incoming)])
             slot.incoming_pending = True
             if add_in_worker:
-                self.worker.submit(lambda: self.settle(slot), urgent=True)
+                self.worker.submit(lambda: self.complete(slot), urgent=True)
         param.grad = None
         return first
 
@@ -111,7 +111,7 @@ class GradientPath:
 
     @staticmethod
     def landed_finite(slot: HostSlot) -> bool:
-        """Whether ``slot``'s settled host gradient is free of inf/NaN."""
+        """Whether ``slot``'s complete host gradient is free of inf/NaN."""
         if slot.extremes_current:  # inf and NaN propagate to the minimum or maximum
             # Two numbers: read in Python, where a torch or native call would give up the GIL.
             return all(math.isfinite(x) for x in slot.extremes[1].tolist())
@@ -134,7 +134,7 @@ class GradientPath:
         allocate_landing(need, self.arena)
 
     @staticmethod
-    def settle(slot: HostSlot) -> None:
+    def complete(slot: HostSlot) -> None:
         """Wait for a slot's gradient copies and add an accumulated one to the running sum.
 
         Runs on the host worker or the training thread, whichever needs it first.
@@ -142,7 +142,7 @@ class GradientPath:
         if not slot.incoming_pending and Transfers.waited(slot.grad_event):
             slot.grad_event = None  # (the slots of a copy batch share its event: one wait)
             return
-        with slot.settle_lock:
+        with slot.complete_lock:
             Transfers.wait(slot.grad_event)
             slot.grad_event = None
             if slot.incoming_pending:
@@ -151,12 +151,12 @@ class GradientPath:
                 slot.incoming_pending, slot.incoming_event = False, None
 
     @classmethod
-    def settle_all(cls, slots: list[HostSlot]) -> None:
-        """:meth:`settle` for each of ``slots``; with no accumulated gradient pending (the
+    def complete_all(cls, slots: list[HostSlot]) -> None:
+        """:meth:`complete` for each of ``slots``; with no accumulated gradient pending (the
         usual case), one wait per copy event, which a copy batch's slots share."""
         if any(slot.incoming_pending for slot in slots):
             for slot in slots:
-                cls.settle(slot)
+                cls.complete(slot)
             return
         for event in {id(slot.grad_event): slot.grad_event for slot in slots}.values():
             Transfers.wait(event)
@@ -246,7 +246,7 @@ class GradientPath:
                 continue
             # Let in-flight copies land before their buffers count as free again. The lock:
             # with delayed_update the worker may be adding an accumulated gradient.
-            with slot.settle_lock:
+            with slot.complete_lock:
                 Transfers.wait(slot.grad_event)
                 Transfers.wait(slot.incoming_event)
                 _reset_slot(slot, set_to_none)

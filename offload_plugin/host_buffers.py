@@ -211,7 +211,7 @@ class HostSlot:
     native_whole: Optional[bool] = None
     # Held while adding ``incoming`` into ``grad``, which the host worker does during
     # backward and the training thread may do too (whichever comes first).
-    settle_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    complete_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def weight_source(self) -> torch.Tensor:
         """The host tensor whose values are copied into the device parameter."""

@@ -210,7 +210,7 @@ class HostEngine(Engine):
             self.adopt_changed_weights()
         self.updates.submit(plan, slots)
 
-    def settled_host_grads(self) -> list[HostSlot]:
+    def complete_host_grads(self) -> list[HostSlot]:
         """offload_gradients: every gradient complete on the host (a ``.grad`` set on the
         device by hand is offloaded too); returns the slots that have one."""
         for slot in self.slots:
@@ -218,15 +218,15 @@ class HostEngine(Engine):
                 self.offload_grad(slot.param)
         ready = [s for s in self.slots.in_order(self.params()) if s.has_grad]
         for slot in ready:
-            self.grads.settle(slot)
+            self.grads.complete(slot)
         return ready
 
     def ready_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """As Engine's, with offloaded gradients' settled host copies; parameters updated on
+        """As Engine's, with offloaded gradients' complete host copies; parameters updated on
         the device with their ``.grad``."""
         if not self.options.offload_gradients:
             return super().ready_pairs()
-        host = {id(s.param): s.grad for s in self.settled_host_grads()}
+        host = {id(s.param): s.grad for s in self.complete_host_grads()}
         pairs = []
         for p in self.params():
             if id(p) in host:

@@ -18,7 +18,7 @@ import torch
 from offload_plugin.host_buffers import master_dtype_for
 
 __all__ = ["HostMemoryError", "state_tensors_per_param", "bytes_needed", "available_bytes", "check",
-           "promise", "settle"]
+           "promise", "allocated"]
 
 GIB = 2**30
 
@@ -103,7 +103,7 @@ def promise(owner: object, nbytes: int) -> None:
         _promised[owner] = _promised.get(owner, 0) + nbytes
 
 
-def settle(owner: object) -> None:
+def allocated(owner: object) -> None:
     """``owner`` has stepped or loaded its state: what it promised is allocated now."""
     if _promised:  # (every step calls this: nothing to do after the first)
         _promised.pop(owner, None)

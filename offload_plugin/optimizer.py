@@ -358,7 +358,7 @@ class CPUOffloadOptimizer(Optimizer):
         engine.step()
         # Its state exists now, or will in a moment (an update that returned early); a
         # parameter without a gradient makes none, which a later preflight then misses.
-        host_memory.settle(self)
+        host_memory.allocated(self)
         return loss
 
     def finish_step(self) -> None:
@@ -432,7 +432,7 @@ class CPUOffloadOptimizer(Optimizer):
         hooks = [partial(hook, self) for hook in self._optimizer_load_state_dict_pre_hooks.values()]
         plan = checkpoint.prepare_load(engine, state_dict, torchao_minimal_size, allow_nonfinite, hooks)
         checkpoint.apply_state(engine, plan)
-        host_memory.settle(self)  # (the loaded state is allocated)
+        host_memory.allocated(self)  # (the loaded state is allocated)
         engine.forget_state()
         # The one place where loading writes master weights and device weights.
         checkpoint.write_weights(engine, plan)

@@ -92,7 +92,7 @@ class Scaling:
                           grad_scale: Optional[float]) -> None:
         def scale_and_norm(slots: list[HostSlot]) -> None:  # worker job
             for slot in slots:
-                grads.settle(slot)
+                grads.complete(slot)
                 norms.on_host(slot.grad)
 
         norms = ClipNorms(grad_scale, JobBatch(worker, scale_and_norm))

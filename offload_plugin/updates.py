@@ -198,7 +198,7 @@ class Updates:
         # In the order of their host buffers: neighbours update and travel packed.
         ordered = sorted(slots, key=_by_order)
         start = time.perf_counter()
-        self.grads.settle_all(ordered)
+        self.grads.complete_all(ordered)
         skipped = plan.verdict is not None and not plan.verdict()
         self.worker.waited_s += time.perf_counter() - start
         if skipped:

@@ -218,7 +218,7 @@ def test_offload_gradients_frees_device_grads_and_accumulates():
         ((model(x) - y) ** 2).sum().backward()
         ((ref_model(x) - y) ** 2).sum().backward()
         assert all(p.grad is None for p in model.parameters())
-    opt.engine.settled_host_grads()
+    opt.engine.complete_host_grads()
     for p, ref_p in zip(trainable(model), trainable(ref_model)):
         torch.testing.assert_close(opt.engine.slots[p].grad, ref_p.grad, rtol=0, atol=0)
 

@@ -528,7 +528,7 @@ def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(d
     ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2)
     ours = offload(model, lr=1e-2, offload_gradients=True, delayed_update=delayed)
     for slot in ours.engine.slots:
-        slot.settle_lock = RecordingLock(slot)
+        slot.complete_lock = RecordingLock(slot)
     train(ref_model, ref, 3, accum=3)
     for step in range(3):
         for micro in range(3):

@@ -51,7 +51,7 @@ def step(engine) -> None:
             # and checks it first, so the training thread makes no pass over the gradients
             # while the GPU waits for the next forward.
             grad_scale, overlap.pending_scale = overlap.pending_scale, None
-            engine.settled_host_grads()
+            engine.complete_host_grads()
             plan = engine.updates.plan(engine.param_groups, grad_scale, check_each=True,
                                      clip_coef=None, wait_pushes=False)
         else:
@@ -107,7 +107,7 @@ def _update(engine, plan: StepPlan, pairs: list[tuple[HostSlot, HostSlot]]) -> N
     finite = []
     for slot, job_slot in pairs:
         Transfers.wait(slot.push_event)  # the previous weight has left the stage
-        engine.grads.settle(job_slot)
+        engine.grads.complete(job_slot)
         if plan.check_each and not grad_checks.all_finite([job_slot.grad]):
             plan.nonfinite.append(slot)  # unchanged; nothing to send
         else:
