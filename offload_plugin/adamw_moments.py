@@ -65,6 +65,21 @@ class Moments(StateFormat):
             return "parameters of another dtype than fp32, bf16 or fp16"
         return None
 
+    def leaves(self, inner, index: int, group: dict) -> Optional[str]:
+        # ``fused`` set to False (or None) between steps makes torch's AdamW go on with its
+        # for-loop, other bits; amsgrad=True loaded with its state (a state dict of torch's
+        # AdamW(amsgrad=True)) makes it go on with amsgrad, which this kernel call has not.
+        # (A state dict of torch's AdamW built without fused=True loads fused=None. amsgrad
+        # switched on by hand over state without max_exp_avg_sq stays: step() refuses it, as
+        # torch does.)
+        if not group.get("fused"):
+            return f"['fused'] is {group.get('fused')!r}, so torch's AdamW would go on with its for-loop"
+        state = inner.state
+        if group.get("amsgrad") and all("max_exp_avg_sq" in state[m]
+                                        for m in inner.param_groups[index]["params"] if state.get(m)):
+            return "['amsgrad'] is True with its state, so torch's AdamW would go on with amsgrad"
+        return None
+
     def state_bytes(self, param: torch.Tensor) -> int:
         if self.master:
             return 3 * 4  # (the master and two moments, fp32)

@@ -1,5 +1,5 @@
-"""The streamed update for ``CompactAdamW`` (issue #20): the compact state lives in host
-memory and passes through the GPU, where ``compact_gpu``'s kernel updates it next to the
+"""The ``"compact"`` state format (offload_plugin.state_formats): ``CompactAdamW``'s state,
+which the streamed update keeps in host memory and passes through the GPU, where ``compact_gpu``'s kernel updates it next to the
 bf16 weight and gradient the GPU holds.
 
 The host update of the compact state reads and writes about 14 bytes of host memory per
@@ -10,9 +10,9 @@ fp32 absmax per 256 elements for each), which cross the bus both ways each step 
 no weight or gradient crosses it, and the host's cores do no arithmetic. The kernel gives
 the host update's bits (compact_gpu), so the same state moves between the two.
 
-This module holds what differs from the streamed exact update (offload_plugin.streamed,
-which queues, orders and settles both): the host state's layout in page-locked memory, the
-units it is cut into, the staging of each unit, and the kernels. Parameters under
+This module holds what differs from other formats (offload_plugin.streamed queues, orders
+and settles them all): the host state's layout in page-locked memory, the units it is cut
+into, the staging of each unit, and the kernels. Parameters under
 ``min_8bit_size`` elements keep exact state (fp32 moments), as ``CompactAdamW`` keeps it:
 torch's fused AdamW updates their fp32 master (weight plus remainder) on the GPU, as
 torch's ``AdamW(fused=True)`` would there (on the host it is torch's CPU kernel, whose bits
@@ -41,8 +41,8 @@ from offload_plugin.compact_optimizer import exact_update
 from offload_plugin.host_buffers import HostSlot, _huge_page_block, _pin
 from offload_plugin.state_formats import StateFormat
 
-__all__ = ["applies", "POOL", "CompactUnit", "HostState", "Coefficients", "plan_units", "stage_layout",
-           "stage_need", "views_in", "stage_in", "update", "stage_out"]
+__all__ = ["applies", "POOL", "CompactUnit", "HostState", "Coefficients", "stage_layout", "CompactFormat",
+           "FORMAT"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,10 @@ def applies(optimizer_cls: type, device: torch.device, on_cpu: bool) -> Optional
     else why not (the host update then runs)."""
     if not getattr(optimizer_cls, "streams_compact", False):
         return "not CompactAdamW"
+    return _device_refusal(device, on_cpu)
+
+
+def _device_refusal(device: torch.device, on_cpu: bool) -> Optional[str]:
     if device.type == "cpu" and on_cpu:
         return None  # (tests: the native CPU kernel on the host state in place)
     if device.type != "cuda":
@@ -93,7 +97,7 @@ def stage_layout(chunk_numel: int) -> list:
     return [(chunk_numel, torch.int16), (2 * chunk_numel + 8 * (chunk_numel // BLOCK), torch.uint8)]
 
 
-def stage_need(unit: CompactUnit) -> tuple[int, int]:
+def _stage_need(unit: CompactUnit) -> tuple[int, int]:
     """(remainder elements, bytes) the unit takes in a staging pair, rounded so that the
     next unit's views stay aligned (blocks of 256 elements; 64 bytes)."""
     n = -(-unit.numel // BLOCK) * BLOCK
@@ -201,36 +205,6 @@ class _Carver:
         return self.blocks[dtype][at:at + numel].view(shape)
 
 
-# ---------------------------------------------------------------------------- units
-def plan_units(slots: list[HostSlot], entries: list[dict], group_of: list[int],
-               chunk_numel: int) -> list[CompactUnit]:
-    """One unit per parameter, or per ``chunk_numel`` elements of a larger one (a multiple of
-    BLOCK, so that every unit's blocks are whole blocks of the parameter). Empty parameters
-    have none (their counts go on, as CompactAdamW's)."""
-    units = []
-    for slot, entry, group in zip(slots, entries, group_of):
-        n = slot.param.numel()
-        exact = "exp_avg_absmax" not in entry
-        remainder = entry.get("remainder")
-        flat = [None if remainder is None else remainder.view(-1)]
-        if exact:
-            flat += [entry["exp_avg"].view(-1), entry["exp_avg_sq"].view(-1)]
-        else:
-            flat += [entry[k].view(-1) for k in ("exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg", "exp_avg_sq")]
-        param = slot.param.detach().view(-1)
-        step = n if exact else chunk_numel
-        for a in range(0, n, step):
-            b = min(n, a + step)
-            if exact:
-                host = tuple(flat)
-            else:
-                a_blk, b_blk = a // BLOCK, -(-b // BLOCK)
-                host = (None if flat[0] is None else flat[0][a:b], flat[1][a_blk:b_blk],
-                        flat[2][a_blk:b_blk], flat[3][a:b], flat[4][a:b])
-            units.append(CompactUnit(group, slot, a, b, exact, host, param[a:b]))
-    return units
-
-
 # ---------------------------------------------------------------------------- coefficients
 class Coefficients:
     """The kernel's fp32 scalars (compact_adam._coefficients) of each (group settings, step
@@ -250,51 +224,6 @@ class Coefficients:
         return row
 
 
-# ---------------------------------------------------------------------------- the kernels
-def update(unit: CompactUnit, views: tuple, grad: torch.Tensor, coeffs: torch.Tensor,
-           found: torch.Tensor, step: torch.Tensor, group: dict) -> None:
-    """The unit's update on the current stream, from ``views`` (staged or, on the CPU, the
-    host spans themselves): compact state by compact_gpu's kernel (the native CPU kernel in
-    tests), exact state by torch's fused AdamW on the fp32 master. Nothing is written when
-    ``found`` (the step's verdict) is nonzero."""
-    _update(unit, views, grad, coeffs, found, step, adamw.Settings.adamw(group))
-
-
-def _update(unit: CompactUnit, views: tuple, grad: torch.Tensor, coeffs: Optional[torch.Tensor],
-            found: torch.Tensor, step: torch.Tensor, settings: adamw.Settings) -> None:
-    if unit.exact:
-        remainder, exp_avg, exp_avg_sq = views
-        exact_update(unit.param, remainder, grad, exp_avg, exp_avg_sq, step, settings, found_inf=found)
-        return
-    remainder, m_absmax, v_absmax, m_codes, v_codes = views
-    adamw.compact(unit.param, remainder, grad, m_codes, m_absmax, v_codes, v_absmax, coeffs, found)
-
-
-def stage_in(unit: CompactUnit, views: tuple) -> None:
-    """Copies of the unit's host spans into its staging views (on the current stream)."""
-    for host, staged in zip(unit.host, views):
-        if host is not None:
-            staged.copy_(host, non_blocking=True)
-
-
-def stage_out(unit: CompactUnit, views: tuple) -> None:
-    for host, staged in zip(unit.host, views):
-        if host is not None:
-            host.copy_(staged, non_blocking=True)
-
-
-def views_in(unit: CompactUnit, ring, index: int, at: int, at_byte: int) -> tuple:
-    """The unit's staging views in the ring's pair ``index`` (kept: a training step places
-    each unit the same way every time)."""
-    if unit.generation != ring.generation:
-        unit.stage_views, unit.generation = {}, ring.generation
-    views = unit.stage_views.get((index, at, at_byte))
-    if views is None:
-        rem, raw = ring.buffers(POOL, index)
-        views = unit.stage_views[(index, at, at_byte)] = _stage_views(unit, rem, raw, at, at_byte)
-    return views
-
-
 # ---------------------------------------------------------------------------- the format
 class CompactFormat(StateFormat):
     """CompactAdamW's state as a state format (offload_plugin.state_formats)."""
@@ -309,16 +238,9 @@ class CompactFormat(StateFormat):
         self._coefficients = Coefficients()
 
     def refuses(self, params, settings: dict, on_cpu: bool) -> Optional[str]:
-        device = params[0].device
-        if device.type == "cpu" and on_cpu:
-            pass  # (tests: the native CPU kernel on the host state in place)
-        elif device.type != "cuda":
-            return "parameters not on a CUDA device"
-        elif importlib.util.find_spec("triton") is None:
-            return "Triton is not installed (torch's CUDA wheels bring it)"
         if not all(p.dtype == torch.bfloat16 for p in params):
             return "CompactAdamW updates bf16 parameters"
-        return None
+        return _device_refusal(params[0].device, on_cpu)
 
     def state_bytes(self, param: torch.Tensor) -> int:
         return 4  # (remainder 2, codes 1 + 1, the block scales 8 per 256)
@@ -329,31 +251,61 @@ class CompactFormat(StateFormat):
             host = self._host_states[inner] = HostState(pin=pin)
         return host.ensure(inner, slots, [inner.param_groups[g] for g in group_of])
 
-    def cut(self, slots: list, entries: list, group_of: list, chunk_numel: int) -> list:
-        units = plan_units(slots, entries, group_of, chunk_numel)
-        place = {id(s): i for i, s in enumerate(slots)}
-        for unit in units:
-            unit.at = place[id(unit.slot)]
+    def cut(self, slots: list, entries: list, group_of: list, chunk_numel: int) -> list[CompactUnit]:
+        """One unit per parameter, or per ``chunk_numel`` elements of a larger one (a multiple
+        of BLOCK, so that every unit's blocks are whole blocks of the parameter). Empty
+        parameters have none (their counts go on, as CompactAdamW's)."""
+        units = []
+        for at, (slot, entry, group) in enumerate(zip(slots, entries, group_of)):
+            n = slot.param.numel()
+            exact = "exp_avg_absmax" not in entry
+            remainder = entry.get("remainder")
+            flat = [None if remainder is None else remainder.view(-1)]
+            if exact:
+                flat += [entry["exp_avg"].view(-1), entry["exp_avg_sq"].view(-1)]
+            else:
+                flat += [entry[k].view(-1) for k in ("exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg", "exp_avg_sq")]
+            param = slot.param.detach().view(-1)
+            step = n if exact else chunk_numel
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                if exact:
+                    host = tuple(flat)
+                else:
+                    a_blk, b_blk = a // BLOCK, -(-b // BLOCK)
+                    host = (None if flat[0] is None else flat[0][a:b], flat[1][a_blk:b_blk],
+                            flat[2][a_blk:b_blk], flat[3][a:b], flat[4][a:b])
+                units.append(CompactUnit(group, slot, a, b, exact, host, param[a:b], at))
         return units
 
     def reserve(self, ring, unit: CompactUnit) -> None:
-        need, _ = stage_need(unit)
+        need, _ = _stage_need(unit)
         ring.reserve(POOL, 4 * need if unit.exact else need, layout=stage_layout)
 
     def stage_size(self, unit: CompactUnit) -> tuple:
-        return (POOL, *stage_need(unit))
+        return (POOL, *_stage_need(unit))
 
     def staged_views(self, unit: CompactUnit, ring, index: int, at: int, at_byte: int) -> tuple:
-        return views_in(unit, ring, index, at, at_byte)
+        if unit.generation != ring.generation:
+            unit.stage_views, unit.generation = {}, ring.generation
+        views = unit.stage_views.get((index, at, at_byte))
+        if views is None:
+            rem, raw = ring.buffers(POOL, index)
+            views = unit.stage_views[(index, at, at_byte)] = _stage_views(unit, rem, raw, at, at_byte)
+        return views
 
     def host_views(self, unit: CompactUnit) -> tuple:
         return unit.host
 
     def stage_in(self, unit: CompactUnit, views: tuple) -> None:
-        stage_in(unit, views)
+        for host, staged in zip(unit.host, views):
+            if host is not None:
+                staged.copy_(host, non_blocking=True)
 
     def stage_out(self, unit: CompactUnit, views: tuple) -> None:
-        stage_out(unit, views)
+        for host, staged in zip(unit.host, views):
+            if host is not None:
+                host.copy_(staged, non_blocking=True)
 
     def check_step(self, amp_scale) -> None:
         if amp_scale is not None:
@@ -385,8 +337,17 @@ class CompactFormat(StateFormat):
 
     def update(self, unit: CompactUnit, views: tuple, grads: list, steps: list, found: torch.Tensor,
                args) -> None:
+        """Compact state by compact_gpu's kernel (the native CPU kernel in tests), exact
+        state by torch's fused AdamW on the fp32 master (weight plus remainder)."""
         coeffs, settings = args
-        _update(unit, views, grads[unit.at].view(-1)[unit.start:unit.end], coeffs, found, steps[unit.at], settings)
+        grad = grads[unit.at].view(-1)[unit.start:unit.end]
+        if unit.exact:
+            remainder, exp_avg, exp_avg_sq = views
+            exact_update(unit.param, remainder, grad, exp_avg, exp_avg_sq, steps[unit.at], settings,
+                         found_inf=found)
+            return
+        remainder, m_absmax, v_absmax, m_codes, v_codes = views
+        adamw.compact(unit.param, remainder, grad, m_codes, m_absmax, v_codes, v_absmax, coeffs, found)
 
     def weights_written(self, inner, slots: list) -> None:
         for slot in slots:

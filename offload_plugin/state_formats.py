@@ -56,6 +56,12 @@ class StateFormat:
         host."""
         raise NotImplementedError
 
+    def leaves(self, inner, index: int, group: dict) -> Optional[str]:
+        """Why group ``index`` (the outer optimizer's ``group``), as edited or loaded since it
+        was given, no longer asks for what this format's update does (the host update then
+        takes over), or None."""
+        return None
+
     # -- the host state
     def state_bytes(self, param: torch.Tensor) -> int:
         """Host bytes of state per element of ``param`` (the preflight's estimate)."""

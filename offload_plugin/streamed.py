@@ -13,6 +13,10 @@ gradient or weight crosses the bus, so nothing the recipe does to the weights be
 can be overwritten (the parameter is the truth). The result is bit for bit torch's
 ``AdamW(fused=True)`` on the GPU, the optimizer the user would otherwise run there.
 
+What the state is, how it is cut into units, staged and updated, is the inner optimizer's
+state format (offload_plugin.state_formats: torch's moments above, CompactAdamW's compact
+state); this module queues, orders and settles the units of every format alike.
+
 Everything is queued on three side streams (moments in; the kernels; moments out) and
 ordered by events: ``step()`` never waits for the GPU. Device memory holds only a small
 ring of staging buffers shared by all optimizers of a process (torchtune's
@@ -43,12 +47,14 @@ from typing import Optional
 
 import torch
 
-from offload_plugin import compact_streamed
+from offload_plugin import compact_streamed, inner, state_formats
 from offload_plugin.engine import Engine
-from offload_plugin.host_buffers import HostSlot, back_to_back
 from offload_plugin.gradients import check_dense
-from offload_plugin.host_update import _adam_state, check_hyperparameters, forget_batches
+from offload_plugin.host_buffers import HostSlot
+from offload_plugin.host_update import check_hyperparameters, forget_batches
 from offload_plugin.options import Options
+from offload_plugin.state_formats import ALIGN
+from offload_plugin.weight_sync import WeightTracker, version
 
 __all__ = ["eligible", "StagingRing", "StreamedEngine"]
 
@@ -63,12 +69,10 @@ RING_SIZE = 3
 # bf16 gradients: a 1B transformer layer's tensors in two or three flushes). Each flush costs
 # the autograd thread a dozen launches and some Python, which delays backward's own
 # launches: with 4 M elements (about 100 flushes a 1B backward) the stock 1B full drop-in
-# ran 0.78x and 0.87x our recipe in two calls, with 32 M 1.05x and 0.99x (2026-12-03,
-# bench/run_h200.sh inbwdsweep).
+# ran 0.78x and 0.87x our recipe in two calls, with 32 M 1.05x and 0.99x (bench/run_h200.sh
+# inbwdsweep).
 # Benchmarks set OFFLOAD_PLUGIN_FLUSH_NUMEL in a recipe's environment to try others.
 FLUSH_NUMEL = int(os.environ.get("OFFLOAD_PLUGIN_FLUSH_NUMEL", str(1 << 25)))
-# Staging offsets are multiples of this many elements (the kernels' vectorized loads).
-ALIGN = 64
 # Inside a backward, the hooks wait once the gradients handed to the update stream and not
 # yet read by it exceed this many bytes: the update runs at the bus's pace, backward can run
 # ahead of it, and each gradient's memory is free only once its update has read it. Without
@@ -204,35 +208,18 @@ def record(stream) -> object:
 
 
 @dataclasses.dataclass(eq=False)
-class _Unit:
-    """Parameters (or a range of one) whose moments lie back to back in host memory and
-    pass through one staging buffer: ``items`` are ``(slot, start, end)`` element ranges."""
-
-    group: int
-    items: list
-    numel: int
-    exp_avg: torch.Tensor  # the host spans the moments come from and go back to
-    exp_avg_sq: torch.Tensor
-    params: list  # the device tensors the kernel updates (views for a range)
-    at: list = dataclasses.field(default_factory=list)  # each item's place among the step's gradients
-    stage_views: dict = dataclasses.field(default_factory=dict)  # (buffer index, offset) -> (ms, vs)
-    generation: int = -1  # of the ring whose buffers stage_views cut
-
-
-@dataclasses.dataclass(eq=False)
 class _Plan:
     """What a step over one set of parameters needs besides the gradients, worked out the
     first time that set steps (the same set steps every time in training)."""
 
     slots: list  # the stepping slots, in parameter order
-    entries: list  # their state dicts, with the moments the units' spans were cut from
-    moments: list
-    units: list
+    entries: list  # their state dicts
+    held: list  # the state tensors the units were cut from (StateFormat.hold)
+    units: list  # the format's
     ring: StagingRing
     steps: list  # each slot's step count on the device (views of one tensor)
     params: list = dataclasses.field(default_factory=list)  # the slots' parameters
     data_ptrs: list = dataclasses.field(default_factory=list)  # their memory when the units were cut
-    compact: bool = False  # compact_streamed's units (CompactAdamW's state)
 
 
 @dataclasses.dataclass(eq=False)
@@ -242,9 +229,8 @@ class _Job:
     owner: "StreamedEngine"
     plan: _Plan
     grads: list  # the plan's slots' gradients, in its order
-    hyper: list  # per param group: the kernel and its arguments at step() time
+    args: list  # each unit's kernel arguments at step() time (StateFormat.step_args)
     whole_step: bool  # False inside a backward: a parameter's verdict is its own
-    rows: list = dataclasses.field(default_factory=list)  # compact: each unit's coefficients (None: exact unit)
 
 
 @dataclasses.dataclass
@@ -256,7 +242,7 @@ class _Verdict:
     index: int
     count: int  # parameters judged
     whole_step: bool
-    orders: Optional[list] = None  # compact: the slots whose host step counts it settles
+    orders: Optional[list] = None  # the slots whose host step counts it settles (counts_on_host)
 
 
 class StreamedEngine(Engine):
@@ -275,33 +261,20 @@ class StreamedEngine(Engine):
         self._written: Optional[object] = None  # the last copy of state into host memory
         self._verdict: Optional[_Verdict] = None
         self._queued_on: Optional[StagingRing] = None  # a step of ours waits in its queue
-        # CompactAdamW's state (compact_streamed): where it lives, the kernel's scalars
-        # (from the host step counts, which each verdict settles), and each slot's weight
-        # version after our last update (a weight changed since drops its remainder).
-        self._compact = bool(getattr(options.optimizer_cls, "streams_compact", False))
-        self._host_state: Optional[compact_streamed.HostState] = None
-        self._coefficients = compact_streamed.Coefficients()
-        self._versions: dict = {}
+        # The inner optimizer's state format (offload_plugin.state_formats): everything that
+        # depends on the kind of state.
+        self.format = state_formats.for_optimizer(inner.contract(options.optimizer_cls), options.optimizer_cls)
+        # Each slot's weight (by slot.order) as our last update left it, for a format whose
+        # state derives from the weight (StateFormat.watches_weights).
+        self._weights = WeightTracker(version)
 
     def still_applies(self) -> bool:
-        """Whether every group still asks for what the fused kernel does here. ``fused`` set
-        to False (or None) between steps makes torch's AdamW go on with its for-loop, other
-        bits; amsgrad=True loaded with its state (a state dict of torch's AdamW(amsgrad=True))
-        makes it go on with amsgrad, which this kernel call has not. The host update then
-        takes over, as building with that setting gives (see eligible). (A state dict of
-        torch's AdamW built without fused=True loads fused=None. amsgrad switched on by hand
-        over state without max_exp_avg_sq stays here: step() refuses it, as torch does.)"""
-        if self._compact:
-            return True  # (CompactAdamW's update is the same kernel whatever its groups say)
-        state = self.inner.state
+        """Whether every group, as edited or loaded since, still asks for what the format's
+        update does here (StateFormat.leaves); else the host update takes over, as building
+        with that setting gives (see eligible)."""
         for index, group in enumerate(self.param_groups):
-            if not group.get("fused"):
-                why = f"['fused'] is {group.get('fused')!r}, so torch's AdamW would go on with its for-loop"
-            elif group.get("amsgrad") and all(
-                    "max_exp_avg_sq" in state[m] for m in self.inner.param_groups[index]["params"]
-                    if state.get(m)):
-                why = "['amsgrad'] is True with its state, so torch's AdamW would go on with amsgrad"
-            else:
+            why = self.format.leaves(self.inner, index, group)
+            if why is None:
                 continue
             log.warning(
                 "CPUOffloadOptimizer: param_groups[%d]%s (set by hand, or loaded from a state "
@@ -375,10 +348,11 @@ class StreamedEngine(Engine):
 
     def reload_weights(self) -> None:
         """CPUOffloadOptimizer.reload_weights(): weights may have been written where the
-        version counters do not see it (``param.data``). Compact state drops every remainder,
-        so that each master restarts from its weight; exact state keeps no master."""
-        if self._compact:
-            self._drop_remainders(self.slots)
+        version counters do not see it (``param.data``): the format drops what its state
+        derived from every weight (CompactAdamW's remainders: each master restarts from its
+        weight)."""
+        if self.format.watches_weights:
+            self._take_new_weights(self.slots)
 
     def forget_state(self) -> None:
         """The host state was replaced (load_state_dict, ``state[p] = ...``) after a
@@ -387,12 +361,15 @@ class StreamedEngine(Engine):
         self._device_steps, self._step_views, self._steps_moved = None, [], False
         self._plans.clear()
         # (a loaded remainder: CompactAdamW decides at its next update, see before_update)
-        self._versions = {s.order: s.param._version for s in self.slots}
+        self._weights.clear()
+        if self.format.watches_weights:
+            for slot in self.slots:
+                self._weights.matched(slot.order, slot.param)
 
     def _take_verdict(self, counted: bool = False) -> None:
         """Report the last step's verdict (its copy is long done when the next step starts),
-        and for compact state advance the host step counts of the slots it stepped, unless
-        ``counted``: read from the device just now."""
+        and where the format keeps counts on the host advance those of the slots it stepped,
+        unless ``counted``: read from the device just now."""
         verdict, self._verdict = self._verdict, None
         if verdict is None:
             return
@@ -405,7 +382,7 @@ class StreamedEngine(Engine):
             return
         scaling = self.scaling
         if verdict.whole_step:
-            scaling.report_step_skipped(verdict.count)
+            scaling.report_skipped_step(count=verdict.count)
         else:
             scaling.report_spared(0, verdict.count)
 
@@ -430,8 +407,8 @@ class StreamedEngine(Engine):
         if not grads:
             return
         plan = self._plans.get(key)
-        if plan is not None and not (_moments_unchanged(plan) and _params_unmoved(plan)):
-            self._plans.clear()  # (moments replaced in a state dict, or weights: cut anew)
+        if plan is not None and not (self.format.current(plan.entries, plan.held) and _params_unmoved(plan)):
+            self._plans.clear()  # (state replaced in a state dict, or weights: cut anew)
             plan = None
         stepping = plan.slots if plan is not None else [s for s, has in zip(slots, key) if has]
         for i, (g, slot) in enumerate(zip(grads, stepping)):
@@ -461,25 +438,22 @@ class StreamedEngine(Engine):
         for index, group in enumerate(groups):
             check_hyperparameters(index, group)
         amp_scale = self.amp_scale
-        if self._compact and amp_scale is not None:
-            raise ValueError(
-                "CPUOffloadOptimizer: CompactAdamW's streamed update takes no GradScaler scale "
-                "(its parameters are bf16, which needs no loss scaling): leave the GradScaler "
-                "out, or unscale the gradients with scaler.unscale_(optimizer) first. Nothing "
-                "was updated.")
+        self.format.check_step(amp_scale)
         self.scaling.apply_clip_now(grads)
         if plan is None:
             plan = self._plans[key] = self._plan(stepping)
         ring = plan.ring
-        rows = self._compact_rows(plan) if self._compact else []
+        # A weight written outside the optimizer since our last update is the truth now:
+        # what the state derived from the old one goes before the arguments are read.
+        self.adopt_changed_weights(plan.slots)
         if in_backward:
             _flush_when_backward_ends(ring)
         # torch.amp.GradScaler's scale, handed over instead of unscaling the gradients (see
         # CPUOffloadOptimizer._step_supports_amp_scaling): the kernel divides by it, as torch's
         # fused AdamW's does. (Its found_inf is the verdict on these same gradients that
         # ours takes: a step it flags is skipped here too, the counts left as they were.)
-        hyper = [] if self._compact else [_hyperparameters(g, self.inner, amp_scale) for g in groups]
-        ring.queued.append(_Job(self, plan, grads, hyper, whole_step=not in_backward, rows=rows))
+        args = self.format.step_args(self.inner, plan.slots, plan.units, groups, self._host_counts, amp_scale)
+        ring.queued.append(_Job(self, plan, grads, args, whole_step=not in_backward))
         ring.queued_numel += sum(g.numel() for g in grads)
         self._queued_on = ring
         self._steps_moved = True
@@ -514,81 +488,39 @@ class StreamedEngine(Engine):
         if shared.ring is None:
             shared.ring = StagingRing(slots[0].param.device)
         ring = shared.ring
-        position = {id(s): i for i, s in enumerate(slots)}
-        if self._compact:
-            units = self._compact_units(slots, ring)
-            for unit in units:
-                unit.at = position[id(unit.slot)]
-        else:
-            for slot in slots:  # the state torch's fused AdamW creates at a parameter's first step
-                _adam_state(self.inner, slot, False)
-            groups = {id(p): g for g in self.param_groups for p in g["params"]}
-            units = _plan_units(slots, self.param_groups, groups, self.inner.state)
-            for unit in units:
-                unit.at = [position[id(s)] for s, _, _ in unit.items]
-                ring.reserve(unit.exp_avg.dtype, unit.numel)
-        entries = [self.inner.state[s.master] for s in slots]
-        moments = [(e["exp_avg"], e["exp_avg_sq"]) for e in entries]
-        params = [s.param for s in slots]
-        return _Plan(slots, entries, moments, units, ring, self._steps_of(slots), params,
-                     list(map(torch.Tensor.data_ptr, params)), compact=self._compact)
-
-    # ------------------------------------------------------------------ compact state
-    def _compact_units(self, slots: list[HostSlot], ring: StagingRing) -> list:
-        """CompactAdamW's state for ``slots`` (made, or moved into page-locked memory) and
-        the units it is cut into (compact_streamed)."""
-        host_opt = self.inner
         index_of = {id(p): i for i, g in enumerate(self.param_groups) for p in g["params"]}
         group_of = [index_of[id(s.param)] for s in slots]
-        if self._host_state is None:
-            self._host_state = compact_streamed.HostState(pin=ring.is_async and self.arena.pin)
-        entries = self._host_state.ensure(host_opt, slots, [host_opt.param_groups[g] for g in group_of])
-        units = compact_streamed.plan_units(slots, entries, group_of, CHUNK_NUMEL)
+        fmt = self.format
+        entries = fmt.entries(self.inner, slots, group_of, pin=ring.is_async and self.arena.pin)
+        units = fmt.cut(slots, entries, group_of, CHUNK_NUMEL)
         for unit in units:
-            need, _ = compact_streamed.stage_need(unit)
-            ring.reserve(compact_streamed.POOL, 4 * need if unit.exact else need,
-                         layout=compact_streamed.stage_layout)
-        for slot in slots:
-            self._versions.setdefault(slot.order, slot.param._version)
-        return units
-
-    def _compact_rows(self, plan: _Plan) -> list:
-        """Each compact unit's kernel scalars for this step; before that, the remainder of
-        a weight changed outside the optimizer since our last update is dropped: the
-        weight is the master now (the parameter is the truth)."""
-        self.adopt_changed_weights(plan.slots)
-        host_opt = self.inner
-        for slot in plan.slots:  # (a remainder loaded with its weight's digest: checked now)
-            host_opt.before_update(slot.master, slot.param)
-        groups = self.param_groups  # (schedulers write ours; the host optimizer's lag)
-        counts, made, rows = self._host_counts, {}, []
-        for unit in plan.units:  # (a row per group and count: the units of a step share them)
-            if unit.exact:
-                rows.append(None)
-                continue
-            key = (unit.group, int(counts[unit.slot.order]) + 1)
-            if key not in made:
-                made[key] = self._coefficients.row(groups[key[0]], key[1])
-            rows.append(made[key])
-        return rows
+            fmt.reserve(ring, unit)
+        if fmt.watches_weights:
+            for slot in slots:
+                if not self._weights.watches(slot.order):
+                    self._weights.matched(slot.order, slot.param)
+        params = [s.param for s in slots]
+        return _Plan(slots, entries, fmt.hold(entries), units, ring, self._steps_of(slots), params,
+                     list(map(torch.Tensor.data_ptr, params)))
 
     def adopt_changed_weights(self, slots: Optional[list[HostSlot]] = None) -> None:
-        """Compact state: the remainders of weights written outside the optimizer since our
-        last update (their version counters moved) are dropped, or kept by a resume's digest
-        (CompactAdamW.weight_replaced): before an update, or a state dict, reads them."""
-        if not self._compact:
+        """Weights written outside the optimizer since our last update (their version
+        counters moved): the format drops what its state derived from them (CompactAdamW's
+        remainders, unless a resume's digest keeps them), before an update, or a state dict,
+        reads it."""
+        if not self.format.watches_weights:
             return
         slots = self.slots if slots is None else slots
-        changed = [s for s in slots if self._versions.get(s.order, s.param._version) != s.param._version]
+        changed = [s for s in slots if self._weights.changed(s.order, s.param)]
         if changed:
-            self._drop_remainders(changed)
+            self._take_new_weights(changed)
 
-    def _drop_remainders(self, slots: list[HostSlot]) -> None:
-        """The weights of ``slots`` are new: each master restarts from its weight."""
+    def _take_new_weights(self, slots: list[HostSlot]) -> None:
+        """The weights of ``slots`` are new: the state follows them."""
         self.settle()  # (no copy into the host state in flight)
+        self.format.weights_written(self.inner, slots)
         for slot in slots:
-            self.inner.weight_replaced(slot.master, slot.param)
-            self._versions[slot.order] = slot.param._version
+            self._weights.matched(slot.order, slot.param)
 
     # ------------------------------------------------------------------ bookkeeping
     def _steps_of(self, slots: list[HostSlot]) -> list[torch.Tensor]:
@@ -650,8 +582,8 @@ def _flush(ring: StagingRing, in_backward: Optional[bool] = None) -> None:
 
 @torch.no_grad()
 def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
-    """Queue the GPU work of ``jobs``: their verdicts at once, each unit's moments in, its
-    kernel and its moments out, the step counts, and the verdicts' copy to the host."""
+    """Queue the GPU work of ``jobs``: their verdicts at once, each unit's state in, its
+    kernel and its state out, the step counts, and the verdicts' copy to the host."""
     if ring.is_async:
         ring.update.wait_stream(torch.cuda.current_stream(ring.device))  # the gradients are written there
         for job in jobs:  # the last copies into host memory of the moments read now
@@ -661,18 +593,17 @@ def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
     with _on(ring.update):
         each, flags = _verdicts(jobs)
         torch._foreach_add_(steps, 1)
-        coeffs = _compact_coefficients(jobs, ring)
-    filling: dict = {}  # pool -> [buffer index, elements used, ...]: small units share a buffer
-    for job, found in zip(jobs, each):
-        if job.plan.compact:
-            for unit, row in zip(job.plan.units, job.rows):
-                _run_compact_unit(unit, job, ring, found, coeffs[row] if row is not None else None, filling)
-            job.owner._versions.update((s.order, s.param._version) for s in job.plan.slots)
-            continue
-        for unit in job.plan.units:
-            _run_unit(unit, job.grads, job.plan.steps, ring, found, job.hyper[unit.group], filling)
-    for dtype, (index, *_) in filling.items():
-        ring.release(dtype, index)
+        args = _args_on_device(jobs, ring)
+    filling: dict = {}  # pool -> (buffer index, elements used, bytes used): small units share a buffer
+    for job, found, job_args in zip(jobs, each, args):
+        fmt = job.owner.format
+        for unit, arg in zip(job.plan.units, job_args):
+            _run_unit(fmt, unit, job, ring, found, arg, filling)
+        if fmt.watches_weights:  # (our own writes leave the version counters as they were)
+            for slot in job.plan.slots:
+                job.owner._weights.matched(slot.order, slot.param)
+    for pool, (index, *_) in filling.items():
+        ring.release(pool, index)
     with _on(ring.update):
         torch._foreach_sub_(steps, [found for job, found in zip(jobs, each) for _ in job.plan.steps])
     host = torch.empty(len(jobs), dtype=torch.float32, pin_memory=ring.is_async)
@@ -686,49 +617,49 @@ def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
         host.copy_(flags)
     for i, job in enumerate(jobs):
         job.owner._written = done
-        orders = [s.order for s in job.plan.slots] if job.plan.compact else None
+        orders = [s.order for s in job.plan.slots] if job.owner.format.counts_on_host else None
         job.owner._verdict = _Verdict(done, host, i, len(job.plan.steps), job.whole_step, orders)
 
 
-def _compact_coefficients(jobs: list[_Job], ring: StagingRing) -> dict:
-    """The compact units' kernel scalars on the device, in one copy: each distinct row of
-    the jobs (a tuple, compact_streamed.Coefficients) -> its tensor there."""
-    rows = list(dict.fromkeys(r for job in jobs if job.plan.compact for r in job.rows if r is not None))
-    if not rows:
-        return {}
-    host = torch.tensor(rows, dtype=torch.float32, pin_memory=ring.is_async)
-    table = host.to(ring.device, non_blocking=True) if ring.is_async else host
-    return dict(zip(rows, table.unbind()))
+def _args_on_device(jobs: list[_Job], ring: StagingRing) -> list:
+    """Each job's units' arguments on the ring's device, each format's in as few copies as
+    it can (StateFormat.to_device) for all its jobs together."""
+    by_format: dict = {}
+    for k, job in enumerate(jobs):
+        by_format.setdefault(job.owner.format, []).append(k)
+    out = [None] * len(jobs)
+    for fmt, ks in by_format.items():
+        flat = fmt.to_device([arg for k in ks for arg in jobs[k].args], ring)
+        at = 0
+        for k in ks:
+            out[k], at = flat[at:at + len(jobs[k].args)], at + len(jobs[k].args)
+    return out
 
 
-def _run_compact_unit(unit, job: _Job, ring: StagingRing, found: torch.Tensor,
-                      coeffs: Optional[torch.Tensor], filling: dict) -> None:
-    """Queue one compact unit (compact_streamed): its state in, the kernel, its state out.
-    Units share a staging pair while they fit (as _run_unit's)."""
-    pool = compact_streamed.POOL
-    grad = job.grads[unit.at].view(-1)[unit.start:unit.end]
-    group = job.owner.param_groups[unit.group]  # (as the step found it: see _compact_rows)
-    step = job.plan.steps[unit.at]
-    if not ring.is_async:  # (tests on the CPU: the host state updated in place)
-        compact_streamed.update(unit, unit.host, grad, coeffs, found, step, group)
+def _run_unit(fmt, unit, job: _Job, ring: StagingRing, found: torch.Tensor, arg, filling: dict) -> None:
+    """Queue one unit of format ``fmt``: its state in, the kernel, its state out.
+    ``filling``: per pool the staging pair being filled and how much of it is used; a unit
+    that does not fit takes the next pair (the caller releases the last ones)."""
+    if not ring.is_async:  # (tests on the CPU: the kernel updates the host state in place)
+        fmt.update(unit, fmt.host_views(unit), job.grads, job.plan.steps, found, arg)
         return
-    need, need_bytes = compact_streamed.stage_need(unit)
+    pool, numel, nbytes = fmt.stage_size(unit)
     index, used, used_bytes = filling.get(pool, (None, 0, 0))
-    capacity = ring.numel[pool]
-    if index is None or used + need > capacity or used_bytes + need_bytes > ring.buffers(pool, index)[1].numel():
+    if (index is None or used + numel > ring.numel[pool]
+            or used_bytes + nbytes > ring.buffers(pool, index)[1].numel()):
         if index is not None:
             ring.release(pool, index)
         index, used, used_bytes = ring.take(pool), 0, 0
-    filling[pool] = (index, used + need, used_bytes + need_bytes)
-    views = compact_streamed.views_in(unit, ring, index, used, used_bytes)
+    filling[pool] = (index, used + -(-numel // ALIGN) * ALIGN, used_bytes + nbytes)
+    views = fmt.staged_views(unit, ring, index, used, used_bytes)
     with torch.cuda.stream(ring.load):
-        compact_streamed.stage_in(unit, views)
+        fmt.stage_in(unit, views)
     ring.update.wait_event(record(ring.load))
     with torch.cuda.stream(ring.update):
-        compact_streamed.update(unit, views, grad, coeffs, found, step, group)
+        fmt.update(unit, views, job.grads, job.plan.steps, found, arg)
     ring.store.wait_stream(ring.update)
     with torch.cuda.stream(ring.store):
-        compact_streamed.stage_out(unit, views)
+        fmt.stage_out(unit, views)
 
 
 def _verdicts(jobs: list[_Job]) -> tuple[list, torch.Tensor]:
@@ -759,13 +690,6 @@ def _verdicts(jobs: list[_Job]) -> tuple[list, torch.Tensor]:
     return each, torch.stack(each)
 
 
-def _moments_unchanged(plan: _Plan) -> bool:
-    """Whether each stepping slot's state still holds the moments the plan was cut from
-    (``optimizer.state[p]["exp_avg"] = ...`` replaces one)."""
-    return all(e.get("exp_avg") is m and e.get("exp_avg_sq") is v  # (one deleted: re-planned, refused)
-               for e, (m, v) in zip(plan.entries, plan.moments))
-
-
 def _params_unmoved(plan: _Plan) -> bool:
     """Whether each stepping parameter still has the memory the plan's units were cut from:
     ``p.data = t`` (``module.to()`` does it) gives it new memory, which torch's AdamW
@@ -774,128 +698,9 @@ def _params_unmoved(plan: _Plan) -> bool:
     return list(map(torch.Tensor.data_ptr, plan.params)) == plan.data_ptrs
 
 
-def _hyperparameters(group: dict, host_optimizer, grad_scale: Optional[torch.Tensor] = None) -> tuple:
-    """The kernel and its keyword arguments for ``group`` as it is now (schedulers change it)."""
-    decoupled = group.get("decoupled_weight_decay", isinstance(host_optimizer, torch.optim.AdamW))
-    beta1, beta2 = group["betas"]
-    return (torch._fused_adamw_ if decoupled else torch._fused_adam_,
-            dict(amsgrad=False, lr=group["lr"], beta1=float(beta1), beta2=float(beta2),
-                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                 grad_scale=grad_scale))
-
-
-def _run_unit(unit: _Unit, grads: list, steps: list, ring: StagingRing, found: torch.Tensor,
-              hyper: tuple, filling: dict) -> None:
-    """Queue one unit: its moments in, the kernel, its moments out. ``filling``: per dtype
-    the staging buffer being filled and how much of it is used; a unit that does not fit
-    takes the next buffer (the caller releases the last ones)."""
-    dtype = unit.exp_avg.dtype
-    if ring.is_async:
-        index, used = filling.get(dtype, (None, 0))
-        if index is None or used + unit.numel > ring.numel[dtype]:
-            if index is not None:
-                ring.release(dtype, index)
-            index, used = ring.take(dtype), 0
-        filling[dtype] = (index, used + -(-unit.numel // ALIGN) * ALIGN)
-        m_stage, v_stage = ring.buffers(dtype, index)
-        with torch.cuda.stream(ring.load):
-            m_stage[used:used + unit.numel].copy_(unit.exp_avg, non_blocking=True)
-            v_stage[used:used + unit.numel].copy_(unit.exp_avg_sq, non_blocking=True)
-        ring.update.wait_event(record(ring.load))
-        ms, vs = _stage_views(ring, index, used, unit)
-    else:  # (tests on the CPU: the kernel updates the host moments in place)
-        ms, vs = _item_views(unit, unit.exp_avg), _item_views(unit, unit.exp_avg_sq)
-    gs = []
-    for i, (_, a, b) in zip(unit.at, unit.items):
-        g = grads[i]
-        gs.append(g if a == 0 and b == g.numel() else g.view(-1)[a:b])
-    kernel, kwargs = hyper
-    lr = kwargs["lr"]
-    if isinstance(lr, torch.Tensor):
-        kwargs = dict(kwargs, lr=lr.to(unit.params[0].device))
-    with _on(ring.update):
-        kernel(unit.params, gs, ms, vs, [], [steps[i] for i in unit.at], found_inf=found, **kwargs)
-    if ring.is_async:
-        ring.store.wait_stream(ring.update)
-        with torch.cuda.stream(ring.store):
-            unit.exp_avg.copy_(m_stage[used:used + unit.numel], non_blocking=True)
-            unit.exp_avg_sq.copy_(v_stage[used:used + unit.numel], non_blocking=True)
-
-
 def _on(stream):
     """``torch.cuda.stream(stream)``; nothing for the CPU (no stream)."""
     return torch.cuda.stream(stream) if stream is not None else nullcontext()
-
-
-def _stage_views(ring: StagingRing, index: int, offset: int, unit: _Unit) -> tuple[list, list]:
-    """The unit's items in staging buffer ``index`` from ``offset`` on (kept: a training
-    step places each unit the same way every time)."""
-    if unit.generation != ring.generation:
-        unit.stage_views, unit.generation = {}, ring.generation
-    views = unit.stage_views.get((index, offset))
-    if views is None:
-        m_stage, v_stage = ring.buffers(unit.exp_avg.dtype, index)
-        views = unit.stage_views[(index, offset)] = (
-            _item_views(unit, m_stage[offset:offset + unit.numel]),
-            _item_views(unit, v_stage[offset:offset + unit.numel]))
-    return views
-
-
-def _plan_units(slots: list[HostSlot], param_groups: list, groups: dict, state: dict) -> list[_Unit]:
-    """Cut the stepping slots into units: neighbours in one group and dtype whose moments
-    follow each other in host memory share one, up to a quarter of CHUNK_NUMEL elements (so
-    that even a step over small adapters has several units, whose copies in and out
-    overlap); a parameter of CHUNK_NUMEL or more is cut into ranges of that size."""
-    pack_numel = max(1, CHUNK_NUMEL // 4)
-    group_index = {id(g): i for i, g in enumerate(param_groups)}
-    units: list[_Unit] = []
-    run: list[HostSlot] = []
-
-    def close_run() -> None:
-        if run:
-            units.append(_unit(group_index[id(groups[id(run[0].param)])],
-                               [(s, 0, s.param.numel()) for s in run], state))
-            run.clear()
-
-    for slot in slots:
-        n = slot.param.numel()
-        if n >= CHUNK_NUMEL:
-            close_run()
-            g = group_index[id(groups[id(slot.param)])]
-            for a in range(0, n, CHUNK_NUMEL):
-                units.append(_unit(g, [(slot, a, min(n, a + CHUNK_NUMEL))], state))
-            continue
-        if run:
-            last = run[-1]
-            together = (groups[id(last.param)] is groups[id(slot.param)]
-                        and last.param.dtype == slot.param.dtype
-                        and sum(s.param.numel() for s in run) + n <= pack_numel
-                        and all(back_to_back([state[last.master][k], state[slot.master][k]]) is not None
-                                for k in ("exp_avg", "exp_avg_sq")))
-            if not together:
-                close_run()
-        run.append(slot)
-    close_run()
-    return units
-
-
-def _unit(group: int, items: list, state: dict) -> _Unit:
-    def span(key: str) -> torch.Tensor:
-        parts = [state[s.master][key].view(-1)[a:b] for s, a, b in items]
-        return parts[0] if len(parts) == 1 else back_to_back(parts)
-
-    params = [s.param.detach() if (a, b) == (0, s.param.numel()) else s.param.detach().view(-1)[a:b]
-              for s, a, b in items]
-    return _Unit(group, items, sum(b - a for _, a, b in items), span("exp_avg"), span("exp_avg_sq"), params)
-
-
-def _item_views(unit: _Unit, flat: torch.Tensor) -> list[torch.Tensor]:
-    """``flat`` cut into one tensor per item, shaped like what the kernel pairs it with."""
-    views, at = [], 0
-    for (_, a, b), param in zip(unit.items, unit.params):
-        views.append(flat[at:at + b - a].view(param.shape))
-        at += b - a
-    return views
 
 
 def _nonfinite_each(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -290,7 +290,7 @@ def test_gpu_streamed_compact_has_the_host_updates_bits(monkeypatch, master):
         kw = dict(master=master, min_8bit_size=min_8bit_size)
         cpu_model, cpu_opt = _stepped_with_given_grads("cpu", 5, monkeypatch, **kw)
         model, opt = _stepped_with_given_grads("cuda", 5, monkeypatch, **kw)
-        assert opt.engine.streams and opt.engine._compact
+        assert opt.engine.streams and opt.engine.format.name == "compact"
         assert all(t.is_pinned() for e in opt.state.values() for k, t in e.items() if k != "step")
         cpu_state, state = cpu_opt.state_dict()["state"], opt.state_dict()["state"]
         for (index, entry), p, q in zip(cpu_state.items(), [p for p in model.parameters() if p.requires_grad],
@@ -312,7 +312,7 @@ def test_gpu_streamed_compact_in_backward_is_the_same_as_after_backward(monkeypa
     monkeypatch.setattr(streamed, "FLUSH_NUMEL", 5000)
     model = make_model().cuda()
     optims = _in_bwd(model, lambda ps: CPUOffloadOptimizer(ps, **KW))
-    assert all(o.engine.streams and o.engine._compact for o in optims.values())
+    assert all(o.engine.streams and o.engine.format.name == "compact" for o in optims.values())
     ref_model = make_model().cuda()
     ref = CPUOffloadOptimizer(ref_model.parameters(), **KW)
     _backward_only(model, 4)
