@@ -51,7 +51,7 @@ def _reset_slot(slot: HostSlot, set_to_none: bool) -> None:
     slot.grad_event = slot.incoming_event = None
 
 
-def _judge_into(flag: torch.Tensor, sources: list) -> None:
+def _check_into(flag: torch.Tensor, sources: list) -> None:
     """copy_at_step's verdict on the tensors a copy batch reads, into the host bool ``flag``."""
     flag.copy_(grad_checks.finite_on_device(sources), non_blocking=True)
 
@@ -73,7 +73,7 @@ class GradientPath:
 
         ``before(device_grad)`` runs on the device first (see Transfers.to_host); with
         ``extremes`` the gradient's minimum and maximum come along, so that the host can
-        judge a first gradient without a pass over it. ``add_in_worker``: the host worker
+        check a first gradient without a pass over it. ``add_in_worker``: the host worker
         adds an accumulated gradient as soon as it lands (else whoever completes it does).
         """
         param = slot.param
@@ -190,22 +190,22 @@ class GradientPath:
         return batches
 
     def copy_at_step(self, batches: list[list[HostSlot]],
-                     judge: bool = False) -> Optional[Callable[[], bool]]:
+                     check: bool = False) -> Optional[Callable[[], bool]]:
         """Without offload_gradients: the recipe has finished with ``.grad`` (scaling,
         clipping); copy each to its slot, batch by batch (:meth:`copy_batches`).
 
-        ``judge``: also return the verdict to come, a callable that waits for all the
+        ``check``: also return the verdict to come, a callable that waits for all the
         copies and tells whether every gradient copied is finite (asked again, it answers
-        at once). The device judges what it sends, each packed run as one tensor, and its
+        at once). The device checks what it sends, each packed run as one tensor, and its
         verdicts come with the copies: no pass over host memory (a separate check before
         the copies cost 1.2 of a 7 ms step over 192 LoRA adapters on the H200); only a
         "may not be finite" (a sum that overflows, or an inf or NaN) is confirmed exactly
         on the host copies. Worth it for one batch only: with several, updates could start
-        as the first ones land, before the last is judged.
+        as the first ones land, before the last is checked.
         """
-        flags = self._verdict_flags(len(batches)) if judge else None
-        events = [self._copy_batch(b, flags[i] if judge else None) for i, b in enumerate(batches)]
-        if not judge:
+        flags = self._verdict_flags(len(batches)) if check else None
+        events = [self._copy_batch(b, flags[i] if check else None) for i, b in enumerate(batches)]
+        if not check:
             return None
         answer: list = []
 
@@ -226,9 +226,9 @@ class GradientPath:
         return self._flags[:n]
 
     def _copy_batch(self, slots, flag: Optional[torch.Tensor]):
-        judge = None if flag is None else partial(_judge_into, flag)
+        check = None if flag is None else partial(_check_into, flag)
         event = self.transfers.to_host([(local_part(slot.param.grad), slot.grad) for slot in slots],
-                                       runs_cache=self._runs_cache, judge=judge)
+                                       runs_cache=self._runs_cache, check=check)
         for slot in slots:
             slot.grad_event, slot.has_grad = event, True
         return event

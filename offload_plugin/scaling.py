@@ -210,7 +210,7 @@ class Scaling:
                      "parameters: no weight or optimizer state changed")
 
     def report_spared(self, updated: int, skipped: int) -> None:
-        """Report updates spared one by one (each judged its own gradient)."""
+        """Report updates spared one by one (each checked its own gradient)."""
         if not skipped:
             return
         what = (

@@ -198,7 +198,7 @@ class Transfers:
         pairs: Iterable[tuple[torch.Tensor, torch.Tensor]],
         before: Optional[Callable[[torch.Tensor], None]] = None,
         runs_cache: Optional[dict] = None,
-        judge: Optional[Callable[[list], None]] = None,
+        check: Optional[Callable[[list], None]] = None,
     ) -> Optional[object]:
         """Copy each ``(device_src, host_dst)``; returns an event to wait on (None if synchronous).
 
@@ -207,7 +207,7 @@ class Transfers:
 
         ``before(first_src)`` runs first, in the copies' stream order: device work on the
         way out (a check, a scale, a norm) that the host would otherwise do with a pass
-        over host memory. ``judge(sources)`` likewise, with every device tensor the copies
+        over host memory. ``check(sources)`` likewise, with every device tensor the copies
         read (a packed run as its one packed tensor); whatever it copies to the host is
         there once the returned event has completed. ``runs_cache``: see :func:`packed_runs`.
         """
@@ -215,8 +215,8 @@ class Transfers:
         if not self.is_async:
             if before is not None:
                 before(pairs[0][0])
-            if judge is not None:
-                judge([src for src, _ in pairs])
+            if check is not None:
+                check([src for src, _ in pairs])
             for src, dst in pairs:
                 dst.copy_(src)
             return None
@@ -226,8 +226,8 @@ class Transfers:
         with torch.cuda.stream(self.d2h):
             if before is not None:
                 before(pairs[0][0])
-            if judge is not None:
-                judge([src for (run, _), flat in zip(runs, packed)
+            if check is not None:
+                check([src for (run, _), flat in zip(runs, packed)
                        for src in ([flat] if flat is not None else [s for s, _ in run])])
             for (run, span), flat in zip(runs, packed):
                 if span is not None:

@@ -38,7 +38,7 @@ class StepPlan:
 
     groups: dict  # id of a host master -> its param group in the host optimizer
     grad_scale: Optional[float]  # multiply each gradient by this in its update
-    check_each: bool  # no whole-step inf/NaN verdict: each update judges its own gradient
+    check_each: bool  # no whole-step inf/NaN verdict: each update checks its own gradient
     clip_coef: Optional[torch.Tensor]  # left by clip_grad_norm_ for the updates to apply
     submitted: set = dataclasses.field(default_factory=set)  # ids of masters handed to the worker
     # The whole step's inf/NaN verdict when it comes with the copies (after_backward): a

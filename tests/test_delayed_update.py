@@ -125,7 +125,7 @@ def test_scale_given_to_overlap_is_applied_in_the_jobs_exactly(device, accumulat
     assert checked_on and set(checked_on) == {"offload-host-update"}, set(checked_on)
 
 
-def test_nonfinite_gradient_judged_in_the_jobs_spares_its_parameter(caplog):
+def test_nonfinite_gradient_checked_in_the_jobs_spares_its_parameter(caplog):
     """A NaN reaching a delayed update that checks its own gradient: that parameter keeps
     its weight and state, the others update, and the next step() warns."""
     model = make_model()

@@ -148,8 +148,8 @@ def test_gradient_check_on_the_gpu_finds_any_nonfinite_value_and_changes_nothing
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_plain_step_on_the_gpu_judges_gradients_as_they_leave(bad, monkeypatch):
-    """A plain step judges the gradients on the device as they are copied (packed small ones
+def test_plain_step_on_the_gpu_checks_gradients_as_they_leave(bad, monkeypatch):
+    """A plain step checks the gradients on the device as they are copied (packed small ones
     and a large one alone): one inf or NaN anywhere skips the step with nothing changed;
     finite steps (one whose sum of absolute values overflows among them) match torch's
     fused AdamW on host copies bit for bit."""
@@ -186,11 +186,11 @@ def test_plain_step_on_the_gpu_judges_gradients_as_they_leave(bad, monkeypatch):
         assert all(torch.equal(p.cpu(), h.detach()) for p, h in zip(params, host)), step
 
 
-def test_stock_lora_recipes_plain_step_judges_on_the_way_from_the_first_step(monkeypatch, device="cuda"):
+def test_stock_lora_recipes_plain_step_checks_on_the_way_from_the_first_step(monkeypatch, device="cuda"):
     """As torchtune's lora_finetune_single_device runs the drop-in: QLoRA adapters (bf16) of
     a model built on the GPU, model.parameters() handed over (NF4 base included), gradients
     accumulated over micro-batches and scaled by torchtune's scale_grads with a tensor on
-    the GPU. Adapters that fit one copy batch take the judged path at every step, the first
+    the GPU. Adapters that fit one copy batch take the checked path at every step, the first
     included (no separate inf/NaN pass before the copies). (torchtune's own 1B QLoRA config,
     rank 64, has 85 MB of adapter gradients: several batches, checked first by design.)"""
     from torchtune.modules.peft import get_adapter_params, set_trainable_params
@@ -200,7 +200,7 @@ def test_stock_lora_recipes_plain_step_judges_on_the_way_from_the_first_step(mon
     from offload_plugin.demo import qlora_tiny_llama
     from offload_plugin.scaling import Scaling
 
-    separate = []  # (step, why the judged path was not taken)
+    separate = []  # (step, why the checked path was not taken)
     checked = Scaling.step_is_finite
 
     def separate_check(self, grads, meshes):

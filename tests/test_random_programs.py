@@ -66,7 +66,7 @@ def _poisoned(model, poison: bool):
 
 def _skip_nonfinite(opt, per_parameter: bool) -> bool:
     """The twin's stand-in for ours' nonfinite_grads="skip": a step with a non-finite
-    gradient updates nothing (True: skip the step), or, where each update judges its own
+    gradient updates nothing (True: skip the step), or, where each update checks its own
     gradient, leaves that parameter alone (its gradient dropped before the step)."""
     params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
     bad = [p for p in params if not bool(torch.isfinite(p.grad).all())]
@@ -181,7 +181,7 @@ def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> No
             return  # (overlap_next_step needs offloaded gradients)
         _, accum, clip, early, poison = op
         dtype = next(model.parameters()).dtype
-        # (Without clipping each update starts as its gradient lands and judges it alone.)
+        # (Without clipping each update starts as its gradient lands and checks it alone.)
         _train_overlapped_twin(ref_model, ref, step, accum, clip, poison, per_parameter=clip is None)
         for micro in range(accum):
             x, y = batch(step, micro, "cpu", dtype)

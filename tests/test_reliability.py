@@ -71,8 +71,8 @@ def test_nonfinite_step_is_skipped_and_training_continues(offload_gradients, cli
 
 
 @pytest.mark.parametrize("copy_batch_bytes", [None, 64])
-def test_unjudged_nonfinite_step_is_skipped_whether_judged_on_the_way_or_first(copy_batch_bytes, monkeypatch, caplog):
-    """With torchtune's own scale_grads (no verdict from the optimizer), a plain step judges
+def test_unchecked_nonfinite_step_is_skipped_whether_checked_on_the_way_or_first(copy_batch_bytes, monkeypatch, caplog):
+    """With torchtune's own scale_grads (no verdict from the optimizer), a plain step checks
     the gradients itself: on their way to the host when they go in one copy batch, before
     any copy when in several (so that updates can start as batches land). Either way an
     inf skips the step with nothing changed, and training then matches torch's AdamW."""

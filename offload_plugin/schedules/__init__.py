@@ -77,7 +77,7 @@ def choose_overlap(engine, grad_scale: Optional[float], clipping: bool, early: b
         # parameter is free to receive its updated weight. Clipping needs nothing here.
         return Overlap("delayed", grad_scale, False, pending_scale=grad_scale)
     if engine.slots.sharded or (clipping and engine.device_share is not None):
-        # Sharded: an update that starts during backward must judge its gradient alone,
+        # Sharded: an update that starts during backward must check its gradient alone,
         # and a NaN on another rank would then be skipped there but applied here. Only the
         # transfers overlap; step() scales by grad_scale, agrees with the other ranks on
         # the verdict, then updates. (Likewise when clipping with device_fraction, whose

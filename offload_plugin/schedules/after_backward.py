@@ -1,4 +1,4 @@
-"""The ``after_backward`` schedule: step() judges all gradients (or its updates wait for the
+"""The ``after_backward`` schedule: step() checks all gradients (or its updates wait for the
 verdict that comes with the copies), then updates every slot.
 
 The plain schedule (no ``overlap_next_step``), and the overlapped one for clipped or
@@ -20,20 +20,20 @@ __all__ = ["start", "submit_the_rest", "step_on_device", "report_spared"]
 
 
 def start(engine) -> Optional[StepPlan]:
-    """The step's plan, with the gradients judged finite or their verdict to come; None if
+    """The step's plan, with the gradients checked finite or their verdict to come; None if
     the step is skipped."""
     engine.scaling.warn_if_unscaled(engine.param_groups)
     # A grad_scale that overlap_next_step left to step() is applied by _grads_in_place.
     grads = engine.grads_in_place("step()") if engine.overlap is not None else engine.ready_grads()
     batches = [] if engine.options.offload_gradients else engine.grads.copy_batches(engine.slots.in_order(engine.params()))
-    if len(batches) == 1 and _judged_on_the_way(engine, grads):
+    if len(batches) == 1 and _checked_on_the_way(engine, grads):
         # One copy batch (LoRA adapters, a small model): the gradients go to the host now,
-        # the device judges them as they leave, and the updates are queued meanwhile; the
+        # the device checks them as they leave, and the updates are queued meanwhile; the
         # first to run waits for the verdict (a skipped step's updates change nothing, and
         # report_spared reports it). Weights changed outside the optimizer are taken over
         # at the first submission, as in every step: a skipped step would leave them to
         # the next, with the same result.
-        verdict = engine.grads.copy_at_step(batches, judge=True)
+        verdict = engine.grads.copy_at_step(batches, check=True)
         plan = _plan(engine)
         plan.verdict = verdict
     else:
@@ -51,9 +51,9 @@ def _plan(engine) -> StepPlan:
                              clip_coef=engine.scaling.clip_coef)
 
 
-def _judged_on_the_way(engine, grads: list) -> bool:
+def _checked_on_the_way(engine, grads: list) -> bool:
     """Whether copy_at_step may give the inf/NaN verdict: the plain step of device gradients
-    that no scale or clip judged already, all of them copied by it (not those kept on the
+    that no scale or clip checked already, all of them copied by it (not those kept on the
     device with device_fraction), on one rank (sharded: the ranks agree first)."""
     return (not engine.options.offload_gradients and engine.device_share is None and not engine.slots.sharded
             and engine.scaling.finite.finite(grads) is None)

@@ -45,7 +45,7 @@ def step(engine) -> None:
     overlap = engine.overlap
     try:
         finish(engine)
-        if _judge_in_jobs(engine):
+        if _check_in_jobs(engine):
             # Nothing has read all gradients this step (no scale_grads, no clipping): each
             # job scales its gradient inside the update (overlap_next_step's grad_scale)
             # and checks it first, so the training thread makes no pass over the gradients
@@ -73,7 +73,7 @@ def step(engine) -> None:
                 slot.has_grad = False
 
 
-def _judge_in_jobs(engine) -> bool:
+def _check_in_jobs(engine) -> bool:
     """Whether this step's scaling and inf/NaN check can move into the per-parameter jobs:
     gradients offloaded and overlapped (overlap_next_step), and untouched since (a scale
     or clip already read them all; then its verdict is reused). Not for sharded
@@ -165,4 +165,4 @@ def finish(engine) -> None:
         for slot in engine.slots:
             slot.push_ready = slot.free_to_push = False
         engine.transfers.order_compute_after(engine.updates.last_push)
-    after_backward.report_spared(engine, plan)  # judged in the jobs: reported one step late
+    after_backward.report_spared(engine, plan)  # checked in the jobs: reported one step late

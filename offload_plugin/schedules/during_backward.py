@@ -2,7 +2,7 @@
 
 ``overlap_next_step()`` (before the last backward of an accumulation window) makes the
 plan; each backward hook then sends its gradient to the host with its minimum and maximum
-(so the update can judge it alone) and queues the slot's update, which the host worker
+(so the update can check it alone) and queues the slot's update, which the host worker
 runs while backward goes on. step() queues what is left and waits (or, with
 ``early_forward``, returns). Same results as scaling and stepping after backward.
 """

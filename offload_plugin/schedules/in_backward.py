@@ -4,7 +4,7 @@ torchtune's full fine-tuning recipes with ``optimizer_in_bwd: True`` (the stock 
 setting) build one optimizer per parameter and call its ``step()`` and ``zero_grad()`` in
 that parameter's post-accumulate-grad hook. Waiting there for the host update would stop
 the backward once per parameter. Instead step() sends the gradient to the host with its
-minimum and maximum (the update judges it alone, as during_backward's updates do), queues
+minimum and maximum (the update checks it alone, as during_backward's updates do), queues
 the update and returns, so the host updates this parameter while backward goes on with the
 others. When the backward ends (a callback queued on autograd's engine), the optimizer
 waits for its updates, reports parameters spared for inf/NaN gradients, and orders later
