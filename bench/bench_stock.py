@@ -66,7 +66,7 @@ RUNS = {
         "ours_stock_flush_128m": ("stock", [OURS]),
         "ours_recipe": ("ours", []),
         # Gradients kept on the GPU until step(): the streamed update (state through the GPU),
-        # what the 1B and 3B configs ship since 2026-12-02.
+        # what the 1B and 3B configs ship.
         "ours_recipe_grads_on_gpu": ("ours", ["optimizer_in_bwd=False", "optimizer.offload_gradients=False",
                                               "early_forward=False",
                                               "optimizer.accumulate_on_device=False"]),

@@ -21,13 +21,12 @@
 #                                   # random checkpoint is written first; about 9 minutes)
 #   bash bench/run_h200.sh qlora1b  # torchtune's stock 1B QLoRA config against the drop-in, streamed and with
 #                                   # the host update (OFFLOAD_PLUGIN_STREAMED=0): three alternating rounds
-#                                   # (since the streamed default the ratio of means was 0.95x in three
-#                                   # sessions, 0.98x with the host update; about 6 minutes)
+#                                   # (about 6 minutes)
 #   bash bench/run_h200.sh qloraab  # 1B QLoRA, torch's AdamW and ours taking turns in one process, three runs
 #                                   # (bench/qlora_ab.py; about 3 minutes)
 #   bash bench/run_h200.sh qlora1bprofile  # a profile of each of those three (about 3 minutes)
 #   bash bench/run_h200.sh lora8b   # torchtune's stock 8B QLoRA and LoRA configs against the drop-in (the
-#                                   # streamed update; last measured with the host update, s17; about 8 minutes)
+#                                   # streamed update; about 8 minutes)
 #   bash bench/run_h200.sh dropin1b # torchtune's stock 1B full recipe and config with the drop-in (with and
 #                                   # without optimizer_in_bwd) against our recipe and 1B config as shipped,
 #                                   # three alternating rounds (about 4 minutes)
