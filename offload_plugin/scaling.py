@@ -190,11 +190,16 @@ class Scaling:
         # for good, so one rank's inf/NaN skips the step everywhere.
         return not distributed.any_rank(not finite, meshes)
 
-    def report_skipped_step(self, grads: list[torch.Tensor]) -> None:
-        """Report a step skipped as a whole, counting the gradients that were non-finite
-        (a pass over each, on this rare path only)."""
-        bad = sum(1 for g in grads if not grad_checks.all_finite([g]))
-        if bad == 0:  # (sharded: the verdict is every rank's)
+    def report_skipped_step(self, grads: Optional[list[torch.Tensor]] = None, *,
+                            count: Optional[int] = None) -> None:
+        """Report a step skipped as a whole: counting the non-finite ``grads`` (a pass over
+        each, on this rare path only), or, where the gradients are gone (the streamed update
+        learns its verdict after the step), naming only the ``count`` of parameters."""
+        if grads is None:
+            what = (f"a gradient held an inf or NaN, so the step was skipped for all {count} "
+                    "parameters: no weight or optimizer state changed")
+        elif not (bad := sum(1 for g in grads if not grad_checks.all_finite([g]))):
+            # (sharded: the verdict is every rank's)
             what = (f"another rank had an inf or NaN gradient, so the step was skipped for all "
                     f"{len(grads)} parameters here too (their master weights and optimizer "
                     "state are unchanged)")
@@ -202,12 +207,6 @@ class Scaling:
             what = (f"{bad} of {len(grads)} parameters had an inf or NaN gradient, so the step "
                     "was skipped: no master weight or optimizer state changed")
         self._report(what)
-
-    def report_step_skipped(self, count: int) -> None:
-        """Report a step skipped as a whole where the gradients are no longer there to count
-        the non-finite ones (the streamed update learns its verdict after the step)."""
-        self._report(f"a gradient held an inf or NaN, so the step was skipped for all {count} "
-                     "parameters: no weight or optimizer state changed")
 
     def report_spared(self, updated: int, skipped: int) -> None:
         """Report updates spared one by one (each checked its own gradient)."""
