@@ -20,10 +20,11 @@ from torch.optim import Optimizer
 from offload_plugin import checkpoint, host_memory, streamed
 from offload_plugin.checkpoint_compat import TORCHAO_MINIMAL_SIZE
 from offload_plugin.device_share import choose_kept
-from offload_plugin.distributed import DTensor, check_rows_sharded
 from offload_plugin.engine import Engine
 from offload_plugin.host_engine import HostEngine
-from offload_plugin.options import Options, check_trainable
+from offload_plugin.options import (
+    Options, check_amp_scaler, check_device_share, check_host_only, check_overlap, check_trainable,
+)
 from offload_plugin.ownership import claim
 from offload_plugin.schedules import early_forward
 from offload_plugin.state_view import StateView
@@ -190,36 +191,14 @@ class CPUOffloadOptimizer(Optimizer):
             engine.setup_device(params[0].device)
             self.host_threads = engine.worker.num_threads
         on_device = [p for p in params if id(p) in self._keep_ids]
-        if any(isinstance(p, DTensor) for p in on_device):
-            raise ValueError(
-                "device_fraction is not supported with DTensor (FSDP2) parameters yet; "
-                "use device_fraction=0."
-            )
-        if getattr(self.optimizer_cls, "bf16_host_only", False):
-            self._check_host_only(params)
+        check_device_share(on_device)
+        check_host_only(self.optimizer_cls, self.master_weights, params)
         offloaded = [p for p in params if id(p) not in self._keep_ids]
         if engine.streams and not streamed.eligible(self.options, self.defaults, group, offloaded):
             engine = self._engine = HostEngine.take_over(engine)
         engine.attach(group, offloaded, on_device)
         claim(self, params)
         self._kept.add(offloaded, on_device)
-
-    def _check_host_only(self, params: list) -> None:
-        """optimizer_cls=CompactAdamW (or another ``host_only`` class) updates bf16 host
-        copies, of DTensors sharded by rows: refuse what it cannot take before anything is
-        allocated."""
-        name = self.optimizer_cls.__name__
-        for p in params:
-            if isinstance(p, DTensor):
-                check_rows_sharded(p)
-        if self.master_weights or any(p.dtype != torch.bfloat16 for p in params):
-            dtypes = sorted({str(p.dtype) for p in params})
-            raise ValueError(
-                f"optimizer_cls={name} updates bf16 host copies and keeps the master itself: it "
-                f"needs bf16 parameters (got {', '.join(dtypes)}) and master_weights=False (the "
-                f"default; got {self.master_weights}). Convert the model with "
-                "model.to(torch.bfloat16) (torchtune: dtype=bf16)."
-            )
 
     def _check_not_taken_over(self) -> None:
         if self._engine.taken_over:
@@ -303,10 +282,7 @@ class CPUOffloadOptimizer(Optimizer):
                 ``delayed_update`` or sharded parameters.
         """
         self._check_not_taken_over()
-        if not self.offload_gradients:
-            raise ValueError(
-                "overlap_next_step() needs CPUOffloadOptimizer(offload_gradients=True)."
-            )
+        check_overlap(self.options, early_forward=bool(early_forward), sharded=self._engine.slots.sharded)
         # A step that returned early may still be updating (this is normally called before
         # the next forward, which it is to overlap); what follows leaves it alone.
         self._engine.overlap_next_step(grad_scale, clipping, bool(early_forward))
@@ -338,13 +314,7 @@ class CPUOffloadOptimizer(Optimizer):
         nothing (``nonfinite_grads="skip"``, with a warning; the streamed update warns at
         the next step or state read) or raises (``"raise"``).
         """
-        if self.offload_gradients and getattr(self, "grad_scale", None) is not None:
-            raise ValueError(
-                "torch.amp.GradScaler with offload_gradients=True: the gradients are moved to "
-                "host memory during backward, where GradScaler cannot check or unscale them. "
-                "Use offload_gradients=False with GradScaler, or train in bf16 without a "
-                "scaler (as torchtune does). Nothing was updated."
-            )
+        check_amp_scaler(self.options, getattr(self, "grad_scale", None))
         self._check_not_taken_over()
         loss = None
         if closure is not None:

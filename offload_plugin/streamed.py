@@ -52,7 +52,7 @@ from offload_plugin.engine import Engine
 from offload_plugin.gradients import check_dense
 from offload_plugin.host_buffers import HostSlot
 from offload_plugin.host_update import check_hyperparameters, forget_batches
-from offload_plugin.options import Options
+from offload_plugin.options import STREAMED, Options, engine_for
 from offload_plugin.state_formats import ALIGN
 from offload_plugin.weight_sync import WeightTracker, version
 
@@ -90,31 +90,15 @@ def eligible(options: Options, defaults: dict, group: dict, params: list[torch.T
              keeps_some: bool = False) -> bool:
     """Whether an optimizer with ``options`` (and ``defaults``) may update ``params`` (of
     ``group``) this way: AdamW's exact result on the device, with the state in host memory;
-    else the host update runs. ``keeps_some``: device_fraction keeps some on the device."""
-    if not ENABLED:
-        return False
-    if not params:
-        return True
-    device = params[0].device
-    if not (device.type == "cuda" or (_ON_CPU and device.type == "cpu")):
-        return False
-    if options.offload_gradients or options.master_weights or options.delayed_update or keeps_some:
-        return False
-    optimizer_cls = options.optimizer_cls
-    if getattr(optimizer_cls, "streams_compact", False):  # CompactAdamW: compact_streamed
-        if compact_streamed.applies(optimizer_cls, device, _ON_CPU) is not None:
-            return False
-        dtypes = (torch.bfloat16,)
-    elif getattr(optimizer_cls, "bf16_host_only", False) or not issubclass(optimizer_cls, torch.optim.Adam):
-        return False
-    else:
-        settings = dict(defaults, **{k: v for k, v in group.items() if k != "params"})
-        if (not settings.get("fused") or settings.get("amsgrad") or settings.get("capturable")
-                or settings.get("differentiable")):
-            return False
-        dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    return all((type(p) is torch.nn.Parameter or type(p) is torch.Tensor) and p.is_contiguous()
-               and p.dtype in dtypes for p in params)
+    else the host update runs. ``keeps_some``: device_fraction keeps some on the device.
+    The rules are options.COMBINATIONS'; the device's facts are read here."""
+    device = params[0].device if params else None
+    return engine_for(
+        options, dict(defaults, **{k: v for k, v in group.items() if k != "params"}), params,
+        kept_on_device=keeps_some, streaming_on=ENABLED,
+        device_streams=device is not None and (device.type == "cuda" or (_ON_CPU and device.type == "cpu")),
+        compact_streams=device is not None and compact_streamed.applies(options.optimizer_cls, device, _ON_CPU) is None,
+    ) == STREAMED
 
 
 class StagingRing:

@@ -264,8 +264,8 @@ ENGINES = {
         (lambda: _mlp(torch.bfloat16), dict(optimizer_cls=CompactAdamW), HOST),
     "`CompactAdamW` with a parameter not a plain contiguous bf16 tensor":
         (lambda: _noncontiguous(torch.bfloat16), dict(optimizer_cls=CompactAdamW), HOST),
-    "an `optimizer_cls` other than Adam, AdamW or `CompactAdamW`":
-        (_mlp, dict(optimizer_cls=torch.optim.SGD, lr=0.1), HOST),
+    "an `optimizer_cls` other than Adam, AdamW or `CompactAdamW`":  # (fused: not Adam's kernel)
+        (_mlp, dict(optimizer_cls=torch.optim.SGD, lr=0.1, fused=True), HOST),
     "Adam(W) without `fused` (the default sets it), or with `amsgrad`, `capturable` or "
     "`differentiable`": (_mlp, dict(fused=False), HOST),
     "Adam(W) with a parameter not a plain contiguous fp32, bf16 or fp16 tensor (DTensor, NF4, "

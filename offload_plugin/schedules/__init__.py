@@ -60,18 +60,8 @@ class Overlap:
 
 
 def choose_overlap(engine, grad_scale: Optional[float], clipping: bool, early: bool) -> Overlap:
-    """The schedule of the step that follows the next backward (the table above)."""
-    if early and engine.options.delayed_update:
-        raise ValueError(
-            "overlap_next_step(early_forward=True) does not combine with delayed_update=True, "
-            "whose step() returns at once anyway; pass early_forward=False (`early_forward: "
-            "False` in our recipes)."
-        )
-    if early and engine.slots.sharded:
-        raise ValueError(
-            "overlap_next_step(early_forward=True) is not supported with DTensor (FSDP2) "
-            "parameters; pass early_forward=False (`early_forward: False` in our recipes)."
-        )
+    """The schedule of the step that follows the next backward (the table above); the
+    optimizer has refused what does not combine (options.check_overlap)."""
     if engine.options.delayed_update:
         # The update runs in the background anyway; this backward only tells when each
         # parameter is free to receive its updated weight. Clipping needs nothing here.
