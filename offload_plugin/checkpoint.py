@@ -24,6 +24,7 @@ from offload_plugin import distributed
 from offload_plugin.checkpoint_compat import convert_torchao_state_dict, is_torchao_state_dict
 from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.host_buffers import HostSlot, weight_mark
+from offload_plugin.inner import contract
 from offload_plugin.weight_sync import bits_equal
 
 __all__ = ["LoadPlan", "prepare_load", "validate", "apply_state", "write_weights", "with_masters"]
@@ -211,7 +212,7 @@ def _check_group(engine, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple
     cls = engine.options.optimizer_cls
     # A class may name group keys that checkpoints of its peers lack (CompactAdamW's
     # "master": a bitsandbytes AdamW8bit checkpoint loads into it).
-    optional = KEYS_TORCH_MAY_LACK | set(getattr(cls, "optional_group_keys", ()))
+    optional = KEYS_TORCH_MAY_LACK | set(contract(cls).optional_group_keys)
     missing = (set(engine.defaults) - optional) - saved.keys()
     if missing:
         raise ValueError(
@@ -222,7 +223,7 @@ def _check_group(engine, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple
             + (f" {_COMPACT}" if "min_8bit_size" in saved else "")
         )
     hyper = {k: v for k, v in saved.items() if k != "params"}
-    for key in set(getattr(cls, "optional_group_keys", ())) - saved.keys():
+    for key in set(contract(cls).optional_group_keys) - saved.keys():
         if key in engine.param_groups[i]:
             # This optimizer's own setting holds where the checkpoint has none (a bitsandbytes
             # group's "master"), not the class's default.
@@ -236,7 +237,7 @@ def _check_group(engine, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple
     # catches what only step() checks (capturable=True on the host, ...).
     accepted = inspect.signature(cls.__init__).parameters
     try:
-        dtype = torch.bfloat16 if getattr(cls, "bf16_host_only", False) else torch.float32  # (CompactAdamW)
+        dtype = torch.bfloat16 if contract(cls).bf16_host_only else torch.float32  # (CompactAdamW)
         # (1x1: classes for matrices, torch.optim.Muon, refuse a 1-D probe)
         probe = cls([torch.zeros(1, 1, dtype=dtype)], **{k: v for k, v in hyper.items() if k in accepted and k != "params"})
         creates_state = bool(probe.state)
@@ -265,7 +266,7 @@ def _check_entry(
     target = slot.master if slot is not None else engine.device_share.target[param]
     cls = engine.options.optimizer_cls
     owner = engine.inner if slot is not None else engine.device_share.optimizer
-    own_check = getattr(owner, "check_state_entry", None)  # a class that checks its own entries
+    own_check = contract(cls).hook(owner, "check_state_entry")  # a class that checks its own entries
     if own_check is not None and entry:
         if MASTER_KEY in entry:
             raise ValueError(f"{where} has a {MASTER_KEY!r}, which {cls.__name__} does not keep.")
@@ -495,7 +496,7 @@ def with_masters(engine, sd: dict) -> dict:
     # torch's packing hands out the host optimizer's live per-parameter dicts: copy them
     # before adding keys, so the live state never holds the master or DTensors.
     sd["state"] = {index: dict(entry) for index, entry in sd["state"].items()}
-    saved_entry = getattr(engine.inner, "saved_entry", None)
+    saved_entry = contract(type(engine.inner)).hook(engine.inner, "saved_entry")
     for index, param in enumerate(engine.params()):
         slot = engine.slots.get(param)
         if slot is None:  # updated on the device (device_fraction)

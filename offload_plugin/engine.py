@@ -40,6 +40,7 @@ from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.gradients import check_dense
 from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots
 from offload_plugin.host_update import forget_batches, uses_fused_adam
+from offload_plugin.inner import contract
 from offload_plugin.options import Options
 from offload_plugin.scaling import Scaling
 from offload_plugin.slots import SlotTable
@@ -138,9 +139,10 @@ class Engine:
             # now; any other state is made at the first step)
             host_memory.promise(self._optimizer, host_memory.bytes_needed(
                 shards, options.master_weights, state, host_copies=False))
-        shard_of = getattr(self.inner, "shard_of", None)  # (CompactAdamW lays out shards' state)
+        hooks = contract(type(self.inner))
+        shard_of = hooks.hook(self.inner, "shard_of")  # (CompactAdamW lays out shards' state)
         for slot in slots:
-            slot.on_replaced = getattr(self.inner, "weight_replaced", None)
+            slot.on_replaced = hooks.hook(self.inner, "weight_replaced")
             if shard_of is not None and isinstance(slot.param, DTensor):
                 shard_of(slot.master, slot.param.shape)
         self.slots.add(slots)  # in parameter order: forward order for torchtune's models

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from offload_plugin import adamw, native_adam
 from offload_plugin.host_buffers import HostSlot, back_to_back
+from offload_plugin.inner import contract
 
 __all__ = ["uses_fused_adam", "check_hyperparameters", "update_slots", "forget_batches"]
 
@@ -297,7 +298,7 @@ def update_slots(
     # their dtype as scale_grads would and in place (the host copy is this step's alone): a
     # scaled copy of each gradient is fresh memory at every step, whose page faults cost
     # more than an update (Llama-3.1-8B, CompactAdamW, H200 host: 4.96 s a step that way).
-    scales_inside = getattr(optimizer, "scales_gradients_in_step", False)
+    scales_inside = contract(type(optimizer)).scales_gradients_in_step
     for slot in generic:
         g = slot.grad
         if grad_scale is not None and not scales_inside:

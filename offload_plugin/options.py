@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from offload_plugin.distributed import DTensor
 from offload_plugin.grad_checks import NONFINITE_POLICIES
+from offload_plugin.inner import contract
 
 __all__ = [
     "Options", "OWN_OPTIONS", "resolve_optimizer_cls", "check_trainable", "Rule", "COMBINATIONS",
@@ -138,8 +139,7 @@ def resolve_optimizer_cls(optimizer_cls: Union[str, type]) -> type:
         raise TypeError(
             f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}"
         )
-    if getattr(optimizer_cls, "_is_offload_optimizer", False):
-        raise TypeError("optimizer_cls cannot be CPUOffloadOptimizer itself")
+    contract(optimizer_cls)  # (what it declares for the offload optimizer, checked: offload_plugin.inner)
     for unsupported, why in _UNSUPPORTED.items():
         if issubclass(optimizer_cls, unsupported):
             raise ValueError(

@@ -55,3 +55,17 @@ def test_hooks_with_defaults_or_extra_optional_arguments_are_accepted():
                step=lambda self, closure=None, grad_scale=None: None, scales_gradients_in_step=True)
     c = inner.contract(cls)
     assert c.hooks == {"weight_replaced"} and c.scales_gradients_in_step
+
+
+def test_the_contract_is_checked_when_the_class_is_given():
+    from offload_plugin import CPUOffloadOptimizer
+    from offload_plugin.options import resolve_optimizer_cls
+
+    bad = _cls(bf16_host_only="yes")
+    with pytest.raises(TypeError, match="bf16_host_only must be True or False"):
+        resolve_optimizer_cls(bad)
+    with pytest.raises(TypeError, match="bf16_host_only must be True or False"):
+        CPUOffloadOptimizer([torch.nn.Parameter(torch.zeros(4))], optimizer_cls=bad)
+    with pytest.raises(TypeError, match="cannot be CPUOffloadOptimizer itself"):
+        resolve_optimizer_cls("offload_plugin.CPUOffloadOptimizer")
+    assert resolve_optimizer_cls("offload_plugin.CompactAdamW") is CompactAdamW
