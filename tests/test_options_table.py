@@ -1,8 +1,8 @@
 """The table of valid combinations (``offload_plugin.options.COMBINATIONS``): docs/options.md
 shows it as generated, and the public API refuses or accepts each combination, on the
-engine, that its row says. Each row has a case here whose expected outcome is written out
-(not read from the table), so that a rule changed in the table alone fails; a row without
-a case fails too."""
+engine, that its row says. Each row has a case here whose outcome (refused, accepted, which
+engine) is written out, not read from the table, so that a rule changed in the table alone
+fails; a refusal's message must be its row's, word for word; a row without a case fails."""
 
 import logging
 from pathlib import Path
