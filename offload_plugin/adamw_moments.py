@@ -23,10 +23,9 @@ import torch
 
 from offload_plugin import adamw
 from offload_plugin.host_buffers import HostSlot, back_to_back
-from offload_plugin.host_update import _adam_state
 from offload_plugin.state_formats import StateFormat
 
-__all__ = ["Moments", "FORMAT", "MASTERS"]
+__all__ = ["Moments", "FORMAT", "MASTERS", "adam_state"]
 
 _KEYS = ("exp_avg", "exp_avg_sq")
 
@@ -88,7 +87,7 @@ class Moments(StateFormat):
     def entries(self, inner, slots: list, group_of: list, pin: bool) -> list[dict]:
         # (the state torch's fused AdamW creates at a parameter's first step, in the moments
         # set aside for the slot, page-locked where the engine asked: allocate_moments)
-        return [_adam_state(inner, slot, False) for slot in slots]
+        return [adam_state(inner, slot, False) for slot in slots]
 
     def hold(self, entries: list) -> list:
         return [[(k, e[k]) for k in _KEYS] for e in entries]
@@ -169,6 +168,64 @@ class Moments(StateFormat):
             lr = lr.to(unit.params[0].device)
         adamw.fused(unit.params, gs, views[2], views[3], [steps[i] for i in unit.at], settings,
                     lr=lr, grad_scale=amp_scale, found_inf=found)
+
+
+def adam_state(optimizer: Optimizer, slot: HostSlot, amsgrad: bool) -> dict:
+    """The state torch's fused Adam would create for ``slot.master`` (same keys, dtypes,
+    shapes), or the existing state, checked before anything of it changes."""
+    master = slot.master
+    state = optimizer.state[master]
+    if state:
+        _check_adam_state(state, master, amsgrad)
+    else:
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        if slot.moments is not None:  # host memory set aside for them (huge pages)
+            state["exp_avg"], state["exp_avg_sq"] = (m.zero_() for m in slot.moments)
+        else:
+            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+        if amsgrad:
+            state["max_exp_avg_sq"] = torch.zeros_like(
+                master, memory_format=torch.preserve_format
+            )
+    return state
+
+
+def _check_adam_state(state: dict, master: torch.Tensor, amsgrad: bool) -> None:
+    """A slot's existing state, as the fused kernels need it. ``optimizer.state[p]`` is the
+    user's to replace (torch's optimizers allow it), and the kernels walk raw pointers: a
+    moment of another size read and wrote past its end (heap corruption). Checked before
+    the step count advances, so a refused entry leaves everything as it was."""
+    where = f"optimizer.state[p] of a parameter of shape {tuple(master.shape)}"
+    keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
+    missing = [key for key in ("step",) + keys if key not in state]
+    if missing:
+        why = (" amsgrad=True was set after this parameter's first step (torch's AdamW cannot "
+               "switch it on then either): set amsgrad when building the optimizer, or "
+               "`del optimizer.state[p]` to restart its state." if missing == ["max_exp_avg_sq"]
+               else " Put back the full entry, or `del optimizer.state[p]` to restart its state.")
+        raise ValueError(f"{where} lacks {missing}.{why}")
+    step = state["step"]
+    if not (isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()):
+        raise ValueError(
+            f"{where}: 'step' is {step!r:.40}; it must be a one-element floating-point tensor "
+            "(e.g. torch.tensor(1.0)), as torch's fused AdamW keeps it."
+        )
+    for key in keys:
+        value = state[key]
+        if not (isinstance(value, torch.Tensor) and value.shape == master.shape
+                and value.dtype == master.dtype and value.device == master.device):
+            what = (f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
+                    if isinstance(value, torch.Tensor) else type(value).__name__)
+            raise ValueError(
+                f"{where}: {key!r} is {what}; it must be a {master.dtype} tensor of the "
+                f"parameter's shape in host memory (cpu). Assign one of that shape and dtype, "
+                "or `del optimizer.state[p]` to restart its state."
+            )
+        if not value.is_contiguous():
+            # The kernels view state as flat vectors: a contiguous copy of the same values
+            # (torch's loop AdamW reads them as such; load_state_dict copies likewise).
+            state[key] = value.contiguous()
 
 
 def _unit(group: int, placed: list, entries: list) -> _Unit:

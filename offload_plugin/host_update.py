@@ -23,6 +23,7 @@ import torch
 from torch.optim import Optimizer
 
 from offload_plugin import adamw, native_adam
+from offload_plugin.adamw_moments import adam_state
 from offload_plugin.host_buffers import HostSlot, back_to_back
 from offload_plugin.inner import contract
 
@@ -76,68 +77,10 @@ def check_hyperparameters(index: int, group: dict) -> None:
         )
 
 
-def _adam_state(optimizer: Optimizer, slot: HostSlot, amsgrad: bool) -> dict:
-    """The state torch's fused Adam would create for ``slot.master`` (same keys, dtypes,
-    shapes), or the existing state, checked before anything of it changes."""
-    master = slot.master
-    state = optimizer.state[master]
-    if state:
-        _check_adam_state(state, master, amsgrad)
-    else:
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        if slot.moments is not None:  # host memory set aside for them (huge pages)
-            state["exp_avg"], state["exp_avg_sq"] = (m.zero_() for m in slot.moments)
-        else:
-            state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-        if amsgrad:
-            state["max_exp_avg_sq"] = torch.zeros_like(
-                master, memory_format=torch.preserve_format
-            )
-    return state
-
-
-def _check_adam_state(state: dict, master: torch.Tensor, amsgrad: bool) -> None:
-    """A slot's existing state, as the fused kernels need it. ``optimizer.state[p]`` is the
-    user's to replace (torch's optimizers allow it), and the kernels walk raw pointers: a
-    moment of another size read and wrote past its end (heap corruption). Checked before
-    the step count advances, so a refused entry leaves everything as it was."""
-    where = f"optimizer.state[p] of a parameter of shape {tuple(master.shape)}"
-    keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
-    missing = [key for key in ("step",) + keys if key not in state]
-    if missing:
-        why = (" amsgrad=True was set after this parameter's first step (torch's AdamW cannot "
-               "switch it on then either): set amsgrad when building the optimizer, or "
-               "`del optimizer.state[p]` to restart its state." if missing == ["max_exp_avg_sq"]
-               else " Put back the full entry, or `del optimizer.state[p]` to restart its state.")
-        raise ValueError(f"{where} lacks {missing}.{why}")
-    step = state["step"]
-    if not (isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()):
-        raise ValueError(
-            f"{where}: 'step' is {step!r:.40}; it must be a one-element floating-point tensor "
-            "(e.g. torch.tensor(1.0)), as torch's fused AdamW keeps it."
-        )
-    for key in keys:
-        value = state[key]
-        if not (isinstance(value, torch.Tensor) and value.shape == master.shape
-                and value.dtype == master.dtype and value.device == master.device):
-            what = (f"a {value.dtype} tensor of shape {tuple(value.shape)} on {value.device}"
-                    if isinstance(value, torch.Tensor) else type(value).__name__)
-            raise ValueError(
-                f"{where}: {key!r} is {what}; it must be a {master.dtype} tensor of the "
-                f"parameter's shape in host memory (cpu). Assign one of that shape and dtype, "
-                "or `del optimizer.state[p]` to restart its state."
-            )
-        if not value.is_contiguous():
-            # The kernels view state as flat vectors: a contiguous copy of the same values
-            # (torch's loop AdamW reads them as such; load_state_dict copies likewise).
-            state[key] = value.contiguous()
-
-
 def _fused_adam_update(
     optimizer: Optimizer, group: dict, slot: HostSlot, state: dict, grad_scale: Optional[float]
 ) -> None:
-    """One slot's step from its ``state`` (as _adam_state gave it: checked, complete)."""
+    """One slot's step from its ``state`` (as adam_state gave it: checked, complete)."""
     state["step"] += 1
     adamw.host_step(
         slot.master.view(-1), slot.grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1),
@@ -204,7 +147,7 @@ def _batch(optimizer: Optimizer, slots: list[HostSlot]) -> _Batch:
     batch = batches.get(key)
     if batch is not None and batch.current(optimizer):
         return batch
-    states = [_adam_state(optimizer, slot, False) for slot in slots]
+    states = [adam_state(optimizer, slot, False) for slot in slots]
     tensors = [[slot.master for slot in slots], [slot.grad for slot in slots],
                [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states]]
     if slots[0].weight_stage is not None:
@@ -286,7 +229,7 @@ def update_slots(
             singles.append((group, slot))
     # Every slot's state is checked (missing state created) before any slot is updated,
     # as torch's step checks all before updating any: a refused entry changes nothing.
-    states = [_adam_state(optimizer, slot, group["amsgrad"]) for group, slot in singles]
+    states = [adam_state(optimizer, slot, group["amsgrad"]) for group, slot in singles]
     batches = [(group, _batch(optimizer, batch)) for group, batch in together.values()]
     for (group, slot), state in zip(singles, states):
         _fused_adam_update(optimizer, group, slot, state, grad_scale)

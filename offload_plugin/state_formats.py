@@ -8,9 +8,10 @@ engines ask it everything that depends on the kind of state, and branch on none:
 - ``"compact"`` (:mod:`offload_plugin.compact_streamed`): ``CompactAdamW``'s 8-bit moments
   with block scales and the int16 remainder that makes the bf16 weight an exact fp32 master.
 
-An inner optimizer names its format with the ``state_format`` trait (offload_plugin.inner);
-torch's fused Adam(W) has ``"adamw"``. A new format (say bitsandbytes' block-wise 8-bit
-AdamW) is a new module with a ``FORMAT`` and a line in ``_MODULES``.
+An inner optimizer names its format with the ``state_format`` trait (offload_plugin.inner):
+one of the names above or a module's dotted path; torch's fused Adam(W) has ``"adamw"``. A
+new format (say bitsandbytes' block-wise 8-bit AdamW) is a new module whose ``FORMAT`` is a
+:class:`StateFormat`, named by the optimizer it serves; nothing else changes.
 
 The streamed update (offload_plugin.streamed) moves a format's state through a ring of
 staging buffers on the GPU: per step it cuts the stepping parameters into *units* (a range
@@ -152,12 +153,18 @@ _loaded: dict = {}
 
 
 def get(name: str) -> StateFormat:
-    """The format called ``name`` (its module imported the first time)."""
+    """The format called ``name``, or the ``FORMAT`` of the module at that dotted path (its
+    module imported the first time)."""
     fmt = _loaded.get(name)
     if fmt is None:
-        if name not in _MODULES:
-            raise TypeError(f"unknown state_format {name!r}; the formats are {sorted(_MODULES)}")
-        fmt = _loaded[name] = importlib.import_module(_MODULES[name]).FORMAT
+        try:
+            fmt = importlib.import_module(_MODULES.get(name, name)).FORMAT
+        except (ImportError, AttributeError, TypeError, ValueError):
+            fmt = None
+        if not isinstance(fmt, StateFormat):
+            raise TypeError(f"unknown state_format {name!r}: give one of {sorted(_MODULES)} or the dotted "
+                            "path of a module whose FORMAT is an offload_plugin.state_formats.StateFormat")
+        _loaded[name] = fmt
     return fmt
 
 

@@ -309,7 +309,7 @@ class StreamedEngine(Engine):
                 continue
             step = entry.get("step")
             # (a count deleted, or made something the kernel cannot count with: the plan
-            # made anew checks the entry, _check_adam_state, and refuses it as torch does)
+            # made anew checks the entry, adamw_moments._check_adam_state, and refuses it as torch does)
             if (not isinstance(step, torch.Tensor) or step.numel() != 1 or not step.is_floating_point()
                     or float(step) != self._host_counts[slot.order]):
                 self.forget_state()

@@ -195,6 +195,10 @@ def test_which_parameters_each_format_takes():
     assert state_formats.for_optimizer(inner.contract(torch.optim.SGD), torch.optim.SGD) is None
     with pytest.raises(TypeError, match="unknown state_format"):
         state_formats.get("bnb")
+    with pytest.raises(TypeError, match="unknown state_format"):
+        state_formats.get("offload_plugin.adamw")  # (a module without a FORMAT)
+    # A format named by its module's path: a new format is its module alone.
+    assert state_formats.get("offload_plugin.compact_streamed") is compact
 
 
 def test_compact_refuses_a_gradscaler_scale_before_anything_changes():
