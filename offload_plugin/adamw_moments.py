@@ -20,6 +20,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 import torch
+from torch.optim import Optimizer
 
 from offload_plugin import adamw
 from offload_plugin.host_buffers import HostSlot, back_to_back
