@@ -353,8 +353,5 @@ class CompactFormat(StateFormat):
         for slot in slots:
             inner.weight_replaced(slot.master, slot.param)
 
-    def check_entry(self, inner, where: str, entry, param: torch.Tensor, group: dict) -> Optional[dict]:
-        return inner.check_state_entry(where, entry, param, group)
-
 
 FORMAT = CompactFormat()

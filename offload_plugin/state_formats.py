@@ -41,8 +41,10 @@ class StateFormat:
     :meth:`stage_size` gives it."""
 
     name: str = ""
-    # The inner optimizer's hooks (offload_plugin.inner.HOOKS) the format calls: a class
-    # naming the format without them is refused when it is given.
+    # The inner optimizer's hooks (offload_plugin.inner.HOOKS) the format relies on: a class
+    # naming the format without them is refused when it is given. A format whose entries are
+    # not torch's layouts needs check_state_entry (and saved_entry) there: checkpoints check
+    # and convert entries through the inner optimizer, which owns them.
     needs: tuple = ()
     # Whether the kernel's arguments need each parameter's step count on the host at every
     # step (the host counts then advance by each step's verdict); else the device holds them.
@@ -141,12 +143,6 @@ class StateFormat:
     def weights_written(self, inner, slots: list) -> None:
         """The weights of ``slots`` were written outside the optimizer since its last update
         (the parameter is the truth): drop what the state derived from the old ones."""
-
-    # -- checkpoints
-    def check_entry(self, inner, where: str, entry, param: torch.Tensor, group: dict) -> Optional[dict]:
-        """A checkpoint's entry for ``param`` checked and converted (new tensors), or None:
-        the engine's generic check of torch's layouts applies."""
-        return None
 
 
 _loaded: dict = {}
