@@ -37,7 +37,7 @@ class InnerOptimizer:
     - ``optional_group_keys``: group keys that checkpoints of its peers may lack; the loading
       optimizer's own setting then holds.
 
-    Hooks (methods; a class without one gets the generic behaviour):
+    Hooks: the methods below; a class without one gets the generic behaviour.
     """
 
     bf16_host_only: bool = False

@@ -36,9 +36,8 @@ _MODULES = {"adamw": "offload_plugin.adamw_moments", "compact": "offload_plugin.
 
 
 class StateFormat:
-    """The protocol (each method says who calls it). A unit is the format's own object; the
-    engine reads only ``unit.group`` (its param group's index) and the place the format's
-    :meth:`stage_size` gives it."""
+    """The protocol. A unit is the format's own object, which the engine only hands back to
+    the format's methods; it places the unit in the ring by :meth:`stage_size`."""
 
     name: str = ""
     # The inner optimizer's hooks (offload_plugin.inner.HOOKS) the format relies on: a class
