@@ -195,7 +195,7 @@ def _peak_during_in_backward_steps(limit: int) -> int:
     x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
     model(x).float().square().mean().backward()  # (first steps: state, ring, plans)
     torch.cuda.synchronize()
-    ring = next(iter(optims.values()))._shared.ring
+    ring = next(iter(optims.values())).engine.resources.ring
     torch.cuda.reset_peak_memory_stats()
     # "active" bytes: a freed block that a stream still uses (record_stream) counts until
     # that stream's work is done, where "allocated" bytes drop at once.
