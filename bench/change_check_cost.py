@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offload_plugin import CPUOffloadOptimizer  # noqa: E402
-from offload_plugin import optimizer as optimizer_module  # noqa: E402
+from offload_plugin import host_engine as engine_module  # noqa: E402
 
 TOTALS: dict = {}  # seconds spent in each timed method since the last clear
 TINY = dict(vocab_size=512, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128,
@@ -100,7 +100,7 @@ def main():
     if args.tiny:
         args.seq_len = min(args.seq_len, 128)
     for name in ("changed_slots", "adopt_weight"):  # every check goes through these
-        _timed(optimizer_module, name)
+        _timed(engine_module, name)
     rows = [run(args, "default"), run(args, "offload_gradients+early_forward", offload_gradients=True)]
     # 8B's tensor count: 32 layers x 9 tensors + embedding, final norm, output.
     params = [torch.nn.Parameter(torch.zeros(16, device=args.device)) for _ in range(32 * 9 + 3)]
