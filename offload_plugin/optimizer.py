@@ -11,7 +11,6 @@ updates a parameter is ``ownership``.
 from __future__ import annotations
 
 from functools import partial
-from itertools import chain
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
@@ -25,7 +24,7 @@ from offload_plugin.host_engine import HostEngine
 from offload_plugin.options import (
     Options, check_amp_scaler, check_device_share, check_host_only, check_overlap, check_trainable,
 )
-from offload_plugin.ownership import claim
+from offload_plugin.ownership import check_not_taken_over, claim
 from offload_plugin.schedules import early_forward
 from offload_plugin.state_view import StateView
 from offload_plugin.trainable import Kept
@@ -124,12 +123,10 @@ class CPUOffloadOptimizer(Optimizer):
             )
         self.options = options
         # The options as attributes, as torch's optimizers expose theirs (recipes read them).
-        self.optimizer_cls, self._optimizer_kwargs = options.optimizer_cls, options.optimizer_kwargs
-        self.offload_gradients, self.master_weights = options.offload_gradients, options.master_weights
-        self.pin_memory, self.nonfinite_grads = options.pin_memory, options.nonfinite_grads
-        self.check_host_memory, self.delayed_update = options.check_host_memory, options.delayed_update
-        self.host_threads, self.accumulate_on_device = options.host_threads, options.accumulate_on_device
-        self.device_fraction = options.device_fraction
+        for name in ("optimizer_cls", "offload_gradients", "master_weights", "pin_memory",
+                     "nonfinite_grads", "check_host_memory", "delayed_update", "host_threads",
+                     "accumulate_on_device", "device_fraction"):
+            setattr(self, name, getattr(options, name))
         self._keep_ids: set[int] = set()
         if self.device_fraction and not isinstance(params, torch.Tensor):
             params = list(params)  # read twice: to choose the kept share, then by torch
@@ -180,13 +177,7 @@ class CPUOffloadOptimizer(Optimizer):
         """Hand a group torch has accepted to the engine (host copies, state, hooks)."""
         params = group["params"]
         engine = self._engine
-        devices = {p.device for p in chain(params, (s.param for s in engine.slots))}
-        if len(devices) > 1:
-            raise ValueError(
-                "CPUOffloadOptimizer needs all trainable parameters on one device, got "
-                f"{sorted(map(str, devices))}. Move the model with model.to(device) first."
-            )
-        check_trainable(params)
+        check_trainable(params, held=(s.param for s in engine.slots))
         if params and engine.transfers is None:
             engine.setup_device(params[0].device)
             self.host_threads = engine.worker.num_threads
@@ -199,17 +190,6 @@ class CPUOffloadOptimizer(Optimizer):
         engine.attach(group, offloaded, on_device)
         claim(self, params)
         self._kept.add(offloaded, on_device)
-
-    def _check_not_taken_over(self) -> None:
-        if self._engine.taken_over:
-            raise ValueError(
-                f"CPUOffloadOptimizer: a newer CPUOffloadOptimizer was built over "
-                f"{len(self._engine.taken_over)} of this optimizer's parameters and updates them now; "
-                "this one no longer does (each keeps its own host copy of a weight and writes "
-                "it back whole, so two optimizers over one parameter would undo each other's "
-                "updates). Step the newer optimizer, or build one optimizer over all the "
-                "parameter groups (add_param_group). Nothing was updated."
-            )
 
     # ------------------------------------------------------------------ gradients
     @torch.no_grad()
@@ -281,7 +261,7 @@ class CPUOffloadOptimizer(Optimizer):
             ValueError: without ``offload_gradients=True``; ``early_forward`` with
                 ``delayed_update`` or sharded parameters.
         """
-        self._check_not_taken_over()
+        check_not_taken_over(self._engine.taken_over)
         check_overlap(self.options, early_forward=bool(early_forward), sharded=self._engine.slots.sharded)
         # A step that returned early may still be updating (this is normally called before
         # the next forward, which it is to overlap); what follows leaves it alone.
@@ -315,7 +295,7 @@ class CPUOffloadOptimizer(Optimizer):
         the next step or state read) or raises (``"raise"``).
         """
         check_amp_scaler(self.options, getattr(self, "grad_scale", None))
-        self._check_not_taken_over()
+        check_not_taken_over(self._engine.taken_over)
         loss = None
         if closure is not None:
             with torch.enable_grad():

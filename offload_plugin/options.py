@@ -20,6 +20,8 @@ import difflib
 import importlib
 import inspect
 import re
+from collections.abc import Iterable
+from itertools import chain
 from types import SimpleNamespace
 from typing import Callable, Optional, Union
 
@@ -168,8 +170,15 @@ def _check_option_names(optimizer_cls: type, optimizer_kwargs: dict) -> None:
             )
 
 
-def check_trainable(params: list[torch.Tensor]) -> None:
-    """Refuse, before anything is allocated, tensors the host update cannot train."""
+def check_trainable(params: list[torch.Tensor], held: Iterable[torch.Tensor] = ()) -> None:
+    """Refuse, before anything is allocated, tensors the host update cannot train, or not on
+    the device of the others (``held``: those already given)."""
+    devices = {p.device for p in chain(params, held)}
+    if len(devices) > 1:
+        raise ValueError(
+            "CPUOffloadOptimizer needs all trainable parameters on one device, got "
+            f"{sorted(map(str, devices))}. Move the model with model.to(device) first."
+        )
     for p in params:
         if p.is_complex():
             raise ValueError(

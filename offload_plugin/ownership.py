@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-__all__ = ["claim"]
+__all__ = ["claim", "check_not_taken_over"]
 
 # id(parameter) -> (weak parameter, weak optimizer): the optimizer that updates it.
 _OWNERS: dict[int, tuple] = {}
@@ -38,3 +38,16 @@ def claim(optimizer, params: list[torch.Tensor]) -> None:
             older.engine.taken_over.add(id(p))
         ref = weakref.ref(p, partial(_forget_owner, id(p)))
         _OWNERS[id(p)] = (ref, weakref.ref(optimizer))
+
+
+def check_not_taken_over(taken_over: set) -> None:
+    """Refuse a step of an optimizer whose parameters (some of them) a newer one took over."""
+    if taken_over:
+        raise ValueError(
+            f"CPUOffloadOptimizer: a newer CPUOffloadOptimizer was built over "
+            f"{len(taken_over)} of this optimizer's parameters and updates them now; "
+            "this one no longer does (each keeps its own host copy of a weight and writes "
+            "it back whole, so two optimizers over one parameter would undo each other's "
+            "updates). Step the newer optimizer, or build one optimizer over all the "
+            "parameter groups (add_param_group). Nothing was updated."
+        )
