@@ -51,6 +51,7 @@ class Moments(StateFormat):
     """Adam(W)'s moments in the updated tensor's dtype; ``master``: beside an fp32 master."""
 
     name = "adamw"
+    kernel_text = "as torch's fused AdamW"
 
     def __init__(self, master: bool = False) -> None:
         self.master = master

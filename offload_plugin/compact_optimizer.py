@@ -82,7 +82,6 @@ class CompactAdamW(Optimizer, InnerOptimizer):
     # The streamed update moves this state through the GPU and updates it there
     # (offload_plugin.compact_streamed) where it can.
     state_format = "compact"
-    streams_compact = True  # (what streamed.py asks until it asks the format)
     # step(grad_scale=...) applies a gradient scale inside its pass (see step).
     scales_gradients_in_step = True
     # bitsandbytes' AdamW8bit has no "master" (its state entries convert, see check_state_entry).

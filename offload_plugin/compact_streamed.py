@@ -41,21 +41,13 @@ from offload_plugin.compact_optimizer import exact_update
 from offload_plugin.host_buffers import HostSlot, _huge_page_block, _pin
 from offload_plugin.state_formats import StateFormat
 
-__all__ = ["applies", "POOL", "CompactUnit", "HostState", "Coefficients", "stage_layout", "CompactFormat",
+__all__ = ["POOL", "CompactUnit", "HostState", "Coefficients", "stage_layout", "CompactFormat",
            "FORMAT"]
 
 log = logging.getLogger(__name__)
 
 POOL = "compact"  # the staging ring's pool for compact units (see stage_layout)
 _BYTE_ALIGN = 64
-
-
-def applies(optimizer_cls: type, device: torch.device, on_cpu: bool) -> Optional[str]:
-    """None if the streamed update can take ``optimizer_cls``'s compact state on ``device``,
-    else why not (the host update then runs)."""
-    if not getattr(optimizer_cls, "streams_compact", False):
-        return "not CompactAdamW"
-    return _device_refusal(device, on_cpu)
 
 
 def _device_refusal(device: torch.device, on_cpu: bool) -> Optional[str]:
@@ -232,6 +224,8 @@ class CompactFormat(StateFormat):
     needs = ("init_state", "before_update", "weight_replaced", "check_state_entry", "saved_entry")
     counts_on_host = True  # (the coefficients come from each parameter's count)
     watches_weights = True  # (a written weight restarts its master: its remainder goes)
+    takes_grad_scale = False  # (its parameters are bf16, which needs no loss scaling)
+    kernel_text = "by the compact kernel"
 
     def __init__(self) -> None:
         self._host_states: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # inner -> HostState
@@ -306,14 +300,6 @@ class CompactFormat(StateFormat):
         for host, staged in zip(unit.host, views):
             if host is not None:
                 host.copy_(staged, non_blocking=True)
-
-    def check_step(self, amp_scale) -> None:
-        if amp_scale is not None:
-            raise ValueError(
-                "CPUOffloadOptimizer: CompactAdamW's streamed update takes no GradScaler scale "
-                "(its parameters are bf16, which needs no loss scaling): leave the GradScaler "
-                "out, or unscale the gradients with scaler.unscale_(optimizer) first. Nothing "
-                "was updated.")
 
     def step_args(self, inner, slots: list, units: list, groups: list, counts: list, amp_scale) -> list:
         for slot in slots:  # (a remainder loaded with its weight's digest: checked now)

@@ -279,9 +279,11 @@ COMBINATIONS: tuple[Rule, ...] = (
          "host memory during backward, where GradScaler cannot check or unscale them. "
          "Use offload_gradients=False with GradScaler, or train in bf16 without a "
          "scaler (as torchtune does). Nothing was updated."),
-    # The compact kernel takes no scale to divide by (bf16 needs no loss scaling).
-    Rule("check_amp_scaler", "torch.amp `GradScaler` with `CompactAdamW` on the streamed engine",
-         REFUSED, lambda f: f.grad_scale is not None and f.compact and f.engine == STREAMED,
+    # A format's kernel may take no scale to divide by (CompactAdamW's: bf16 needs no loss
+    # scaling); torch's fused AdamW kernel divides by it.
+    Rule("check_amp_scaler", "torch.amp `GradScaler` on the streamed engine with a state format "
+         "whose kernel takes no scale (`CompactAdamW`'s)",
+         REFUSED, lambda f: f.grad_scale is not None and not f.format_takes_scale and f.engine == STREAMED,
          "CPUOffloadOptimizer: CompactAdamW's streamed update takes no GradScaler scale "
          "(its parameters are bf16, which needs no loss scaling): leave the GradScaler "
          "out, or unscale the gradients with scaler.unscale_(optimizer) first. Nothing "
@@ -305,36 +307,29 @@ COMBINATIONS: tuple[Rule, ...] = (
     Rule("engine_for", "`device_fraction` keeping parameters on the device", HOST,
          lambda f: f.kept_on_device,
          "it shortens the host update's tail, which the streamed engine does not have"),
-    Rule("engine_for", "`CompactAdamW` where its kernel cannot run (no Triton)", HOST,
-         lambda f: f.compact and not f.compact_streams,
-         "the compact GPU kernel is a Triton kernel"),
-    Rule("engine_for", "`CompactAdamW` with a parameter not a plain contiguous bf16 tensor",
-         HOST, lambda f: f.compact and not (f.plain and set(f.dtypes) <= {"torch.bfloat16"}),
-         "the compact kernel updates whole, contiguous local bf16 tensors"),
-    Rule("engine_for", "an `optimizer_cls` other than Adam, AdamW or `CompactAdamW`", HOST,
-         lambda f: not f.compact and (f.host_only or not f.adam),
-         "torch has a fused GPU kernel for Adam(W) only"),
-    Rule("engine_for", "Adam(W) without `fused` (the default sets it), or with `amsgrad`, "
-         "`capturable` or `differentiable`", HOST,
-         lambda f: not f.compact and not (f.settings.get("fused") and not f.settings.get("amsgrad")
-                                          and not f.settings.get("capturable")
-                                          and not f.settings.get("differentiable")),
-         "the streamed engine runs torch's fused kernel, and only its plain form"),
-    Rule("engine_for", "Adam(W) with a parameter not a plain contiguous fp32, bf16 or fp16 "
-         "tensor (DTensor, NF4, fp64, ...)", HOST,
-         lambda f: not f.compact and not (f.plain and set(f.dtypes) <= _ADAM_DTYPES),
-         "the fused kernel updates whole, contiguous local tensors of these dtypes"),
-    Rule("engine_for", "any other combination (Adam or AdamW, or `CompactAdamW`, on a GPU)",
+    # What the streamed engine moves through the GPU is a state format (state_formats): one
+    # module per format says what its kernel takes (refuses), so a new format adds no row.
+    Rule("engine_for", "an `optimizer_cls` with no streamed state format (torch's Adam and "
+         "AdamW move the `adamw` format, `CompactAdamW` its `compact` one; SGD and others "
+         "have none)", HOST, lambda f: f.format is None,
+         "the streamed engine moves a state format through the GPU; another optimizer steps "
+         "on the host"),
+    Rule("engine_for", "a parameter not a plain contiguous tensor (DTensor, NF4, a transposed "
+         "view, ...)", HOST, lambda f: not f.plain,
+         "the streamed engine's kernels update whole, contiguous local tensors"),
+    Rule("engine_for", "what the state format refuses (its `refuses()`: Adam(W) without `fused` "
+         "(the default sets it), or with `amsgrad`, `capturable` or `differentiable`, or not "
+         "fp32, bf16 or fp16; `CompactAdamW` without Triton)", HOST,
+         lambda f: f.format_refuses is not None,
+         "each format's module says what its kernel takes"),
+    Rule("engine_for", "any other combination (a state format on a GPU)",
          STREAMED, lambda f: True,
          "the state passes through the GPU, 8 bytes per parameter each step, and no host "
          "core works; Adam(W) is bit for bit torch's `AdamW(fused=True)` there"),
 )
 
-_ADAM_DTYPES = {"torch.float32", "torch.bfloat16", "torch.float16"}
-
-
 def _host_only(optimizer_cls: type) -> bool:
-    return bool(getattr(optimizer_cls, "bf16_host_only", False))  # (CompactAdamW)
+    return contract(optimizer_cls).bf16_host_only  # (CompactAdamW)
 
 
 def _apply(check: str, **facts) -> Optional[Rule]:
@@ -365,24 +360,24 @@ def check_host_only(optimizer_cls: type, master_weights: bool, params: list[torc
 
 
 def engine_for(options: Options, settings: dict, params: list[torch.Tensor], *, kept_on_device: bool,
-               streaming_on: bool, device_streams: bool, compact_streams: bool) -> str:
+               streaming_on: bool, device_streams: bool, on_cpu: bool = False) -> str:
     """``"streamed"`` or ``"host"``: the engine that updates ``params``, a group whose
     hyperparameters are ``settings`` (the group's, over the optimizer's defaults).
 
     The device's facts are inputs: ``kept_on_device`` (device_fraction keeps some parameters
     on the device), ``streaming_on`` (the streamed engine is switched on), ``device_streams``
-    (the parameters are where its kernel runs) and ``compact_streams`` (CompactAdamW's
-    kernel can run there)."""
+    (the parameters are where its kernels run) and ``on_cpu`` (tests run them on the host)."""
+    from offload_plugin import state_formats  # (its formats' modules import this one's users)
+
     cls = options.optimizer_cls
+    fmt = state_formats.for_optimizer(contract(cls), cls)
+    plain = all((type(p) is torch.nn.Parameter or type(p) is torch.Tensor) and p.is_contiguous()
+                for p in params)
     return _apply(
         "engine_for", streaming_on=streaming_on, empty=not params, device_streams=device_streams,
         offload_gradients=options.offload_gradients, master_weights=options.master_weights,
-        delayed_update=options.delayed_update, kept_on_device=kept_on_device,
-        compact=bool(getattr(cls, "streams_compact", False)), compact_streams=compact_streams,
-        host_only=_host_only(cls), adam=issubclass(cls, torch.optim.Adam), settings=settings,
-        plain=all((type(p) is torch.nn.Parameter or type(p) is torch.Tensor) and p.is_contiguous()
-                  for p in params),
-        dtypes=sorted({str(p.dtype) for p in params}),
+        delayed_update=options.delayed_update, kept_on_device=kept_on_device, format=fmt,
+        plain=plain, format_refuses=fmt.refuses(params, settings, on_cpu) if fmt and plain and params else None,
     ).update
 
 
@@ -393,11 +388,13 @@ def check_overlap(options: Options, *, early_forward: bool, sharded: bool) -> No
            delayed_update=options.delayed_update, early_forward=early_forward, sharded=sharded)
 
 
-def check_amp_scaler(options: Options, grad_scale: Optional[torch.Tensor], engine: str = HOST) -> None:
+def check_amp_scaler(options: Options, grad_scale: Optional[torch.Tensor], engine: str = HOST,
+                     format_takes_scale: bool = True) -> None:
     """Refuse torch.amp.GradScaler's scale (``optimizer.grad_scale``, handed to ``step()``)
-    where the update cannot take it; ``engine``: the one that runs this step."""
+    where the update cannot take it; ``engine``: the one that runs this step, with a state
+    format whose kernel takes a scale or not (``format_takes_scale``)."""
     _apply("check_amp_scaler", grad_scale=grad_scale, offload_gradients=options.offload_gradients,
-           compact=bool(getattr(options.optimizer_cls, "streams_compact", False)), engine=engine)
+           format_takes_scale=format_takes_scale, engine=engine)
 
 
 def combinations_markdown() -> str:

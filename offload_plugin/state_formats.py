@@ -48,6 +48,11 @@ class StateFormat:
     # Whether the kernel's arguments need each parameter's step count on the host at every
     # step (the host counts then advance by each step's verdict); else the device holds them.
     counts_on_host: bool = False
+    # Whether the kernel takes torch.amp.GradScaler's scale to divide by, as torch's fused
+    # AdamW's does (else options.check_amp_scaler refuses a scaled step).
+    takes_grad_scale: bool = True
+    # How the optimizer's log line says the device updates this state.
+    kernel_text: str = "on the device"
     # Whether a weight written outside the optimizer touches the state (weights_written).
     watches_weights: bool = False
 
@@ -117,9 +122,6 @@ class StateFormat:
         raise NotImplementedError
 
     # -- the update
-    def check_step(self, amp_scale) -> None:
-        """Refuse (raise ValueError) a step the format cannot make, before anything changes.
-        ``amp_scale``: a GradScaler's scale on the device, or None."""
 
     def step_args(self, inner, slots: list, units: list, groups: list, counts: list, amp_scale) -> list:
         """Each unit's kernel arguments for this step over ``slots``, read from ``groups``

@@ -47,12 +47,12 @@ from typing import Optional
 
 import torch
 
-from offload_plugin import compact_streamed, inner, state_formats
+from offload_plugin import inner, state_formats
 from offload_plugin.engine import Engine
 from offload_plugin.gradients import check_dense
 from offload_plugin.host_buffers import HostSlot
 from offload_plugin.host_update import check_hyperparameters, forget_batches
-from offload_plugin.options import STREAMED, Options, engine_for
+from offload_plugin.options import STREAMED, Options, check_amp_scaler, engine_for
 from offload_plugin.state_formats import ALIGN
 from offload_plugin.weight_sync import WeightTracker, version
 
@@ -97,7 +97,7 @@ def eligible(options: Options, defaults: dict, group: dict, params: list[torch.T
         options, dict(defaults, **{k: v for k, v in group.items() if k != "params"}), params,
         kept_on_device=keeps_some, streaming_on=ENABLED,
         device_streams=device is not None and (device.type == "cuda" or (_ON_CPU and device.type == "cpu")),
-        compact_streams=device is not None and compact_streamed.applies(options.optimizer_cls, device, _ON_CPU) is None,
+        on_cpu=_ON_CPU,
     ) == STREAMED
 
 
@@ -422,7 +422,8 @@ class StreamedEngine(Engine):
         for index, group in enumerate(groups):
             check_hyperparameters(index, group)
         amp_scale = self.amp_scale
-        self.format.check_step(amp_scale)
+        check_amp_scaler(self.options, amp_scale, engine=STREAMED,
+                         format_takes_scale=self.format.takes_grad_scale)
         self.scaling.apply_clip_now(grads)
         if plan is None:
             plan = self._plans[key] = self._plan(stepping)

@@ -114,7 +114,6 @@ class Kept:
         if engine.transfers is not None and not engine.transfers.is_async:
             log.log(level, "CPUOffloadOptimizer: parameters are on %s, not a CUDA device; the "
                     "update runs in host memory with synchronous copies.", engine.transfers.device)
-        compact = getattr(optimizer_cls, "streams_compact", False)
         log.log(
             level,
             "CPUOffloadOptimizer(%s): optimizing %d tensors (%s elements) %s%s; "
@@ -122,8 +121,8 @@ class Kept:
             optimizer_cls.__name__, c["kept"] - c["on_device"],
             f"{c['kept_numel'] - c['on_device_numel']:,}",
             ("with the state in host memory, updated on the device "
-             + ("by the compact kernel" if compact else "as torch's fused AdamW")
-             + " (the state streamed through it)") if engine.streams else "on the host",
+             + engine.format.kernel_text + " (the state streamed through it)")
+            if engine.streams else "on the host",
             f" and {c['on_device']} ({c['on_device_numel']:,} elements) on the device"
             if c["on_device"] else "",
             c["frozen"], f"{c['frozen_numel']:,}",

@@ -220,12 +220,12 @@ def test_grad_scaler_with_offloaded_gradients():
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-@refusal("torch.amp `GradScaler` with `CompactAdamW` on the streamed engine")
+@refusal("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s)")
 def test_grad_scaler_with_streamed_compact_adamw(on_cpu, monkeypatch):
     params = list(_mlp(torch.bfloat16).parameters())
     opt = CPUOffloadOptimizer(params, optimizer_cls=CompactAdamW)
     before = _scaled_step(opt, params)
-    _refused("torch.amp `GradScaler` with `CompactAdamW` on the streamed engine", opt.step)
+    _refused("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s)", opt.step)
     assert all(torch.equal(a, b) for a, b in zip(before, params))
     monkeypatch.setattr(streamed, "_ON_CPU", False)  # the host engine takes the scale
     opt = CPUOffloadOptimizer(params, optimizer_cls=CompactAdamW)
@@ -260,17 +260,15 @@ ENGINES = {
     "`master_weights`": (lambda: _mlp(torch.bfloat16), dict(master_weights=True), HOST),
     "`delayed_update`": (_mlp, dict(delayed_update=True), HOST),
     "`device_fraction` keeping parameters on the device": (_mlp, dict(device_fraction=0.9), HOST),
-    "`CompactAdamW` where its kernel cannot run (no Triton)":
-        (lambda: _mlp(torch.bfloat16), dict(optimizer_cls=CompactAdamW), HOST),
-    "`CompactAdamW` with a parameter not a plain contiguous bf16 tensor":
-        (lambda: _noncontiguous(torch.bfloat16), dict(optimizer_cls=CompactAdamW), HOST),
-    "an `optimizer_cls` other than Adam, AdamW or `CompactAdamW`":  # (fused: not Adam's kernel)
+    "an `optimizer_cls` with no streamed state format (torch's Adam and AdamW move the `adamw` "
+    "format, `CompactAdamW` its `compact` one; SGD and others have none)":  # (fused: not Adam's kernel)
         (_mlp, dict(optimizer_cls=torch.optim.SGD, lr=0.1, fused=True), HOST),
-    "Adam(W) without `fused` (the default sets it), or with `amsgrad`, `capturable` or "
-    "`differentiable`": (_mlp, dict(fused=False), HOST),
-    "Adam(W) with a parameter not a plain contiguous fp32, bf16 or fp16 tensor (DTensor, NF4, "
-    "fp64, ...)": (lambda: _mlp(torch.float64), {}, HOST),
-    "any other combination (Adam or AdamW, or `CompactAdamW`, on a GPU)": (_mlp, {}, STREAMED),
+    "a parameter not a plain contiguous tensor (DTensor, NF4, a transposed view, ...)":
+        (lambda: _noncontiguous(torch.float32), {}, HOST),
+    "what the state format refuses (its `refuses()`: Adam(W) without `fused` (the default sets "
+    "it), or with `amsgrad`, `capturable` or `differentiable`, or not fp32, bf16 or fp16; "
+    "`CompactAdamW` without Triton)": (_mlp, dict(fused=False), HOST),
+    "any other combination (a state format on a GPU)": (_mlp, {}, STREAMED),
 }
 
 
@@ -286,8 +284,6 @@ def test_engine(combination, monkeypatch, caplog):
         monkeypatch.setattr(streamed, "_ON_CPU", True)
     if combination == "`OFFLOAD_PLUGIN_STREAMED=0` in the environment":
         monkeypatch.setattr(streamed, "ENABLED", False)
-    if combination == "`CompactAdamW` where its kernel cannot run (no Triton)":
-        monkeypatch.setattr(compact_streamed, "applies", lambda *a: "Triton is not installed")
     params = make()
     params = params.parameters() if isinstance(params, nn.Module) else params
     assert _engine(caplog, params, **kwargs) == expected
@@ -297,6 +293,14 @@ def test_engine(combination, monkeypatch, caplog):
 def test_adam_settings_other_than_plain_fused_take_the_host(kwargs, on_cpu, caplog):
     assert _engine(caplog, _mlp().parameters(), **kwargs) == HOST
     assert _engine(caplog, _mlp().parameters(), optimizer_cls=torch.optim.Adam, **kwargs) == HOST
+
+
+def test_what_a_state_format_refuses_takes_the_host(on_cpu, caplog, monkeypatch):
+    """The formats' own refusals (their modules'), and a parameter not plain for any format."""
+    assert _engine(caplog, _mlp(torch.float64).parameters()) == HOST  # (the adamw format's dtypes)
+    assert _engine(caplog, _noncontiguous(torch.bfloat16), optimizer_cls=CompactAdamW) == HOST
+    monkeypatch.setattr(compact_streamed, "_device_refusal", lambda device, on_cpu: "Triton is not installed")
+    assert _engine(caplog, _mlp(torch.bfloat16).parameters(), optimizer_cls=CompactAdamW) == HOST
 
 
 def test_the_streamed_engine_takes_what_it_can(on_cpu, caplog):
@@ -317,7 +321,7 @@ def test_engine_for_takes_plain_values():
     opts = options.Options(torch.optim.AdamW, {})
     params = [torch.zeros(4)]
     settings = dict(opts.defaults())
-    facts = dict(kept_on_device=False, streaming_on=True, device_streams=True, compact_streams=True)
+    facts = dict(kept_on_device=False, streaming_on=True, device_streams=True)
     assert options.engine_for(opts, settings, params, **facts) == STREAMED
     assert options.engine_for(opts, settings, params, **dict(facts, device_streams=False)) == HOST
     assert options.engine_for(opts, settings, params, **dict(facts, kept_on_device=True)) == HOST
