@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from offload_plugin import distributed
 from offload_plugin.checkpoint_compat import convert_torchao_state_dict, is_torchao_state_dict
 from offload_plugin.distributed import DTensor, local_part
-from offload_plugin.host_buffers import HostSlot, weight_mark
+from offload_plugin.host_buffers import HostSlot
 from offload_plugin.inner import contract
 from offload_plugin.weight_sync import bits_equal
 
@@ -483,11 +483,13 @@ def write_weights(engine, plan: LoadPlan) -> None:
         weight = slot.device_weight()
         if saved is None:
             slot.master.copy_(weight)
-            slot.mark = weight_mark(param)
+            engine.weights.matched(slot.order, param)
             continue
         slot.master.copy_(saved)
-        rounded = slot.master.to(weight.dtype)
-        slot.mark = weight_mark(param) if bits_equal(rounded, weight.cpu()) else ()
+        if bits_equal(slot.master.to(weight.dtype), weight.cpu()):
+            engine.weights.matched(slot.order, param)
+        else:
+            engine.weights.unknown(slot.order)
 
 
 def with_masters(engine, sd: dict) -> dict:

@@ -196,9 +196,7 @@ class HostSlot:
     # Position among the optimizer's offloaded parameters (their order: for torchtune's
     # models, the order in which the forward uses them).
     order: int = -1
-    # The parameter's weight_sync.weight_mark when the host copy last matched it, and the
-    # device it was on: a different mark means the weight was changed outside the optimizer.
-    mark: tuple = ()
+    # The device the parameter was on (a weight moved since is refused: weight_sync).
     param_device: Optional[torch.device] = None
     # Told of ``master`` when a changed weight replaced it: the host optimizer's
     # ``weight_replaced`` if it has one (CompactAdamW drops the old weight's remainder).
@@ -300,7 +298,6 @@ def build_slots(
                 param_device=shard.device,
             )
         )
-        slots[-1].mark = weight_mark(p)
         if not isinstance(p, DTensor):
             slots[-1].push_pair = (slots[-1].weight_source(), p)
     return slots
@@ -309,11 +306,10 @@ def build_slots(
 def give_host_copies(slots: list[HostSlot], master_weights: bool, arena: "ArenaAccount") -> None:
     """Host buffers for slots built without them (``build_slots(host_copies=False)``), when
     the host update takes over: each slot's master, gradient and stage are replaced in place
-    (its ``mark`` stays empty, so the next step adopts the weight)."""
+    (the host engine then records them unknown, so the next step adopts the weight)."""
     for slot, built in zip(slots, build_slots([s.param for s in slots], master_weights, arena)):
         slot.master, slot.grad, slot.weight_stage = built.master, built.grad, built.weight_stage
         slot.push_pair, slot.native_whole = built.push_pair, None
-        slot.mark = ()
 
 
 def allocate_landing(slots: list[HostSlot], arena: "ArenaAccount") -> None:

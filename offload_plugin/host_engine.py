@@ -35,7 +35,7 @@ from offload_plugin.options import Options
 from offload_plugin.scaling import multiplier
 from offload_plugin.schedules import delayed, early_forward, in_backward
 from offload_plugin.updates import StepPlan, Updates
-from offload_plugin.weight_sync import adopt_weight, changed_slots
+from offload_plugin.weight_sync import WeightTracker, adopt_weight
 
 __all__ = ["HostEngine"]
 
@@ -76,6 +76,9 @@ class HostEngine(Engine):
         self.pending = delayed.Pending()
         self.in_backward: list[StepPlan] = []
         self.ungated: dict[int, torch.Tensor] = {}
+        # Each slot's weight when its host copy last matched it (by slot.order): a weight
+        # written outside the optimizer since is adopted before the next update reads it.
+        self.weights = WeightTracker()
 
     @classmethod
     def take_over(cls, streamed: Engine) -> "HostEngine":
@@ -94,6 +97,8 @@ class HostEngine(Engine):
         if slots:
             placeholders = {id(slot.master): slot for slot in slots}
             give_host_copies(slots, engine.options.master_weights, engine.arena)
+            for slot in slots:
+                engine.weights.unknown(slot.order)
             # The inner optimizer knows each slot by its master: key it by the new one.
             inner = engine.inner
             for group in inner.param_groups:
@@ -115,6 +120,8 @@ class HostEngine(Engine):
 
     def attach(self, group: dict, params: list[torch.Tensor], on_device: list[torch.Tensor]) -> list[HostSlot]:
         slots = super().attach(group, params, on_device)
+        for slot in slots:  # (the host copies were just read from the weights)
+            self.weights.matched(slot.order, slot.param)
         if self.device_share is not None:  # one group per outer group, even if empty
             self.device_share.add_group({k: v for k, v in group.items() if k != "params"}, on_device)
         if self.options.offload_gradients:
@@ -291,16 +298,25 @@ class HostEngine(Engine):
         """The inner optimizer's state was replaced: the update's batches held it."""
         forget_batches(self.inner)
 
+    def changed_slots(self) -> list[HostSlot]:
+        """The slots whose parameter was written since its host copy last matched it."""
+        return [slot for slot in self.slots if self.weights.changed(slot.order, slot.param)]
+
+    def adopt_weight(self, slot: HostSlot) -> None:
+        """Make ``slot``'s host copy follow its parameter again (weight_sync.adopt_weight)."""
+        adopt_weight(slot)
+        self.weights.matched(slot.order, slot.param)
+
     def adopt_changed_weights(self) -> None:
         """Take over weights changed outside the optimizer since the host copies last
         matched them (see weight_sync): before a step's first update reads a master."""
-        for slot in changed_slots(self.slots):
-            adopt_weight(slot)
+        for slot in self.changed_slots():
+            self.adopt_weight(slot)
         if self.device_share is not None:
             self.device_share.adopt_changed_weights()
 
     def reload_weights(self) -> None:
         for slot in self.slots:
-            adopt_weight(slot)
+            self.adopt_weight(slot)
         if self.device_share is not None:
             self.device_share.adopt_changed_weights(all_params=True)

@@ -27,13 +27,13 @@ of its own (autograd does not see them either). After such a write, call
 
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable
+from typing import Callable, Hashable
 
 import torch
 
 from offload_plugin.host_buffers import HostSlot, weight_mark
 
-__all__ = ["weight_mark", "version", "WeightTracker", "changed_slots", "adopt_weight", "bits_equal"]
+__all__ = ["weight_mark", "version", "WeightTracker", "adopt_weight", "bits_equal"]
 
 
 def version(param: torch.Tensor) -> int:
@@ -78,11 +78,6 @@ class WeightTracker:
         self._marks.clear()
 
 
-def changed_slots(slots: Iterable[HostSlot]) -> list[HostSlot]:
-    """The slots whose parameter was changed since its host copy last matched it."""
-    return [slot for slot in slots if weight_mark(slot.param) != slot.mark]
-
-
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors of one dtype and shape hold the same bits (NaN and -0 included)."""
     return a.shape == b.shape and torch.equal(
@@ -92,7 +87,8 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def adopt_weight(slot: HostSlot) -> bool:
-    """Make ``slot``'s host copy follow its parameter again; returns whether it changed.
+    """Make ``slot``'s host copy follow its parameter again; returns whether it changed (the
+    caller records the weight as matched in its WeightTracker).
 
     Runs on the training thread: the copy to the host is ordered after the work queued on
     the current stream, which is where the change was made.
@@ -117,7 +113,6 @@ def adopt_weight(slot: HostSlot) -> bool:
             "build the optimizer."
         )
     host = weight.to("cpu", copy=True)
-    slot.mark = weight_mark(slot.param)
     if host.dtype != slot.master.dtype and bits_equal(slot.master.to(host.dtype), host):
         return False  # the weight is still the rounded master: keep the master's extra bits
     same = host.dtype == slot.master.dtype and bits_equal(slot.master, host)

@@ -21,7 +21,7 @@ from functools import partial
 from typing import Optional
 
 from offload_plugin import grad_checks
-from offload_plugin.host_buffers import HostSlot, weight_mark
+from offload_plugin.host_buffers import HostSlot
 from offload_plugin import host_update
 from offload_plugin.host_worker import JobBatch
 from offload_plugin.schedules import after_backward
@@ -142,7 +142,7 @@ def _push(engine, slot: HostSlot) -> None:
     """Copy an updated weight to the device (caller holds the push lock), unless the weight
     was changed outside the optimizer meanwhile: the change wins, and the next step or
     state_dict() takes it over (see weight_sync)."""
-    if weight_mark(slot.param) == slot.mark:
+    if not engine.weights.changed(slot.order, slot.param):
         slot.push_event = engine.transfers.to_device([(slot.weight_source(), slot.device_weight())])
         engine.updates.last_push = slot.push_event  # copies complete in issue order
     slot.push_ready = slot.free_to_push = False

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Optional
 
 from offload_plugin.updates import StepPlan
-from offload_plugin.weight_sync import adopt_weight, changed_slots
 
 __all__ = ["start", "refuse_changes_during_step"]
 
@@ -29,10 +28,10 @@ def start(engine, grad_scale: Optional[float], newest_first: bool) -> None:
 def refuse_changes_during_step(engine, plan: StepPlan) -> None:
     """Updates that started during backward read the host copies before a change made
     between overlap_next_step() and step() could count: refuse it, then follow it."""
-    edited = [s for s in changed_slots(engine.slots) if id(s.master) in plan.submitted]
+    edited = [s for s in engine.changed_slots() if id(s.master) in plan.submitted]
     if edited:
         for slot in edited:
-            adopt_weight(slot)
+            engine.adopt_weight(slot)
         raise RuntimeError(
             f"CPUOffloadOptimizer: {len(edited)} parameters were changed outside the "
             "optimizer after overlap_next_step(), while their updates were already "

@@ -23,7 +23,6 @@ import torch
 
 from offload_plugin.schedules import after_backward
 from offload_plugin.updates import StepPlan
-from offload_plugin.weight_sync import adopt_weight, changed_slots
 
 __all__ = ["return_early", "finish", "on_backward"]
 
@@ -74,13 +73,13 @@ def finish(engine) -> None:
         engine.transfers.order_compute_after(engine.updates.last_push)
         if plan.zero_grad is not None:
             engine.grads.reset(set_to_none=plan.zero_grad)
-    edited = changed_slots(engine.slots)
+    edited = engine.changed_slots()
     if edited:
         # Changed while this step was still writing weights: whether each change came
         # before or after the new weight landed is unknown. The parameter stays the truth
         # (the host copies follow it), and the user hears of it.
         for slot in edited:
-            adopt_weight(slot)
+            engine.adopt_weight(slot)
         raise RuntimeError(
             f"CPUOffloadOptimizer: {len(edited)} parameters were changed (in place, or by "
             "load_state_dict) after a step that returned early (early_forward) and before "
