@@ -28,7 +28,7 @@ State layout (:class:`CompactAdamState`, flat 1-D tensors of a parameter's numel
     exp_avg_sq_absmax fp32  [ceil(n / 256)]
     step              int
 
-Conversions: :func:`from_exact` / :func:`to_exact` (torch AdamW state), :func:`from_bnb`
+Conversions: :func:`from_adamw` / :func:`to_adamw` (torch AdamW state), :func:`from_bnb`
 (a bitsandbytes AdamW8bit state entry, translated through its own maps).
 
 Why the master is a remainder, not stochastic rounding: on bench/compact_quality.py's
@@ -71,7 +71,7 @@ from . import bnb_state, native_adam
 
 __all__ = [
     "BLOCK", "CompactAdamState", "dynamic_map", "master_of", "split_master", "quantize",
-    "dequantize", "step_", "reference_step", "from_exact", "to_exact", "from_bnb", "kernel",
+    "dequantize", "step_", "reference_step", "from_adamw", "to_adamw", "from_bnb", "kernel",
 ]
 
 log = logging.getLogger(__name__)
@@ -561,7 +561,7 @@ def kernel() -> Optional[CompactKernel]:
 
 # --- conversions ------------------------------------------------------------------------------
 
-def from_exact(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+def from_adamw(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                step: int = 0, master: Optional[torch.Tensor] = None,
                master_weights: bool = True) -> CompactAdamState:
     """Compact state from torch AdamW state: ``exp_avg``/``exp_avg_sq`` of ``param``'s
@@ -582,7 +582,7 @@ def from_exact(param: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Ten
                             exp_avg_sq_absmax=v_absmax, step=int(float(step)))
 
 
-def to_exact(state: CompactAdamState) -> Tuple[torch.Tensor, dict]:
+def to_adamw(state: CompactAdamState) -> Tuple[torch.Tensor, dict]:
     """(fp32 master, torch AdamW state entry {"step", "exp_avg", "exp_avg_sq"}): the master
     is exact; the moments are the dequantized codes. Loading them into torch.optim.AdamW
     (fp32 parameter = the master) continues the same optimization with fp32 moments."""
@@ -604,5 +604,5 @@ def from_bnb(param: torch.Tensor, entry: dict, master_weights: bool = True) -> C
             what differs).
     """
     moments = bnb_state.read_entry("bitsandbytes state entry", entry, param.shape)
-    return from_exact(param, moments.exp_avg, moments.exp_avg_sq, step=moments.step,
+    return from_adamw(param, moments.exp_avg, moments.exp_avg_sq, step=moments.step,
                       master_weights=master_weights)

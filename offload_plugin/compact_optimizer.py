@@ -19,7 +19,7 @@ Each parameter's state entry holds ``step``, ``exp_avg`` and ``exp_avg_sq`` (uin
 shaped like the parameter), ``exp_avg_absmax`` and ``exp_avg_sq_absmax`` (fp32, one per
 256 elements) and ``remainder`` (int16 shaped like the parameter; absent with
 ``master=False``). Parameters of fewer than ``min_8bit_size`` elements (4096, as in
-bitsandbytes: norms and biases, a negligible share of the memory) keep exact state
+bitsandbytes: norms and biases, a negligible share of the memory) keep fp32 state
 instead: ``exp_avg`` and ``exp_avg_sq`` in fp32, updated by torch's fused AdamW on the
 fp32 master. Compressing them too made the loss curve drift further from exact AdamW's
 than bitsandbytes' AdamW8bit's (bench/compact_quality.py). :func:`to_adamw_state_dict` and :func:`from_adamw_state_dict` convert
@@ -48,15 +48,15 @@ from offload_plugin import adamw, bnb_state, compact_adam, host_update
 from offload_plugin.inner import InnerOptimizer
 from offload_plugin.weight_sync import WeightTracker, version
 
-__all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "exact_update", "weight_digest"]
+__all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "fp32_update", "weight_digest"]
 
 _CODES = ("exp_avg", "exp_avg_sq")
 _SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
-MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller parameters keep exact state
+MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller parameters keep fp32 state
 
 
-def _is_exact(entry: dict) -> bool:
-    """Whether a (non-empty) state entry is the exact layout: fp32 moments, no block scales."""
+def _is_fp32_layout(entry: dict) -> bool:
+    """Whether a (non-empty) state entry is the fp32 layout: fp32 moments, no block scales."""
     return _SCALES[0] not in entry
 
 
@@ -71,7 +71,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         master (bool): keep the 16-bit remainder that makes the weight an exact fp32
             master (2 bytes per parameter). ``False``: the weight alone, plain bf16 AdamW
             with 8-bit moments. Default: ``True``.
-        min_8bit_size (int): parameters with fewer elements keep exact fp32 moments, as in
+        min_8bit_size (int): parameters with fewer elements keep fp32 moments, as in
             bitsandbytes' AdamW8bit. Default: 4096.
         fused, foreach: accepted for configs written for torch's AdamW; ignored.
     """
@@ -149,11 +149,11 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         laid out so that every rank agrees and a checkpoint reshards by rows: compact only if
         the full parameter is at least ``min_8bit_size`` elements of 2 or more dims whose
         rows are whole blocks of 256 (then the block scales are kept per row, shaped
-        ``(rows, blocks per row)``), else exact."""
+        ``(rows, blocks per row)``), else the fp32 layout."""
         self._full_shapes[p] = torch.Size(full_shape)
 
     def _compact_when_new(self, p: torch.Tensor, group: dict) -> bool:
-        """Whether a parameter without state gets the compact layout (else exact)."""
+        """Whether a parameter without state gets the compact layout (else the fp32 layout)."""
         floor = group.get("min_8bit_size", MIN_8BIT_SIZE)
         full = self._full_shapes.get(p)
         if full is None:
@@ -196,8 +196,8 @@ class CompactAdamW(Optimizer, InnerOptimizer):
                     entry["step"] += 1
                     continue
                 self._settle_remainder(p, p, self._written.changed(p, p))
-                if _is_exact(entry):
-                    self._exact_step(p, group, grad_scale)
+                if _is_fp32_layout(entry):
+                    self._fp32_step(p, group, grad_scale)
                 else:
                     state = self._compact(p, group)
                     adamw.compact_step(state, p.grad.view(-1), adamw.Settings.adamw(group), grad_scale)
@@ -258,7 +258,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
 
     def init_state(self, p: torch.Tensor, group: dict, empty=torch.empty) -> dict:
         """``p``'s state entry, made if it has none: zeros in the layout its size picks
-        (compact, or exact below ``min_8bit_size``). Made from ``p``'s shape alone, in
+        (compact, or the fp32 layout below ``min_8bit_size``). Made from ``p``'s shape alone, in
         tensors from ``empty(shape, dtype=...)``: the streamed update makes them in
         page-locked memory, for parameters that have no host copy."""
         entry = self.state[p]
@@ -282,13 +282,13 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         self._remember_version(p)
         return entry
 
-    def _exact_step(self, p: torch.Tensor, group: dict, grad_scale: Optional[float]) -> None:
+    def _fp32_step(self, p: torch.Tensor, group: dict, grad_scale: Optional[float]) -> None:
         """torch's fused AdamW on the fp32 master (weight + remainder), then split back."""
         entry = self.state[p]
         remainder = entry.get("remainder")
         entry["step"] += 1  # (torch's AdamW counts before its fused kernel)
         grad = p.grad if grad_scale is None else p.grad * grad_scale
-        exact_update(p.view(-1), None if remainder is None else remainder.view(-1), grad.reshape(-1),
+        fp32_update(p.view(-1), None if remainder is None else remainder.view(-1), grad.reshape(-1),
                      entry["exp_avg"].view(-1), entry["exp_avg_sq"].view(-1), entry["step"],
                      adamw.Settings.adamw(group))
 
@@ -426,7 +426,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         and copied into new host tensors; load_state_dict, and CPUOffloadOptimizer's, call it
         for every entry before changing anything. A bitsandbytes entry is converted first
         (_from_bnb_entry). Then each key of the layout (or of _OPTIONAL_ENTRY_KEYS) must have
-        its dtype and exact shape: codes, the exact layout's moments and the remainder shaped
+        its dtype and exact shape: codes, the fp32 layout's moments and the remainder shaped
         like ``param`` (a shard: its rows here), block scales as _scale_shape gives them (the
         remainder may come as its bits in bf16, as a sharded checkpoint carries it). Floats
         must be finite, second moments and scales >= 0, and the count a number >= 0 (whole
@@ -448,7 +448,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
                 f"{where} has the keys {sorted(map(str, keys))}"
                 + (f", lacking {lacks}" if lacks else "") + (f", with {extra} too" if extra else "")
                 + f": CompactAdamW(master={group['master']}) keeps {sorted(layout)} for this parameter "
-                f"in its {'compact' if compact else 'exact'} layout. A torch AdamW state dict converts "
+                f"in its {'compact' if compact else 'fp32'} layout. A torch AdamW state dict converts "
                 "with offload_plugin.compact_optimizer.from_adamw_state_dict."
             )
         out = {"step": torch.tensor(compact_adam.checked_step(where, entry["step"], whole=compact),
@@ -459,12 +459,12 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         return out
 
     def _layout(self, where: str, p: torch.Tensor, group: dict, compact: bool) -> dict:
-        """Each key of ``p``'s state entry in the compact or exact layout: (dtype, shape)."""
+        """Each key of ``p``'s state entry in the compact or fp32 layout: (dtype, shape)."""
         shape, scales = tuple(p.shape), self._scale_shape(p)
         if compact and len(scales) == 2 and math.prod(scales) * compact_adam.BLOCK != p.numel():
             raise ValueError(
                 f"{where} is in the compact layout, but this parameter is sharded and its rows are "
-                "not whole blocks of 256: it keeps exact state (fp32 moments). Convert the checkpoint "
+                "not whole blocks of 256: it keeps fp32 state (fp32 moments). Convert the checkpoint "
                 "with to_adamw_state_dict and from_adamw_state_dict, or start its state fresh."
             )
         layout = {"step": (None, ())}
@@ -585,8 +585,8 @@ def _from_bnb_entry(where: str, entry: Mapping, param: torch.Tensor, group: dict
     """A bitsandbytes Adam entry (bnb_state reads and checks it) in CompactAdamW's layout:
     compact where bitsandbytes kept 8 bits and ``scale_shape`` is given (its moments
     dequantized through its maps and quantized with ours, within a quantization step),
-    else exact (its moments as it defines them, in fp32: ``scale_shape`` None means the
-    parameter keeps exact state here). bitsandbytes keeps no master: the weight is the
+    else the fp32 layout (its moments as it defines them, in fp32: ``scale_shape`` None means the
+    parameter keeps fp32 state here). bitsandbytes keeps no master: the weight is the
     master (remainder zero)."""
     moments = bnb_state.read_entry(where, entry, param.shape)
     out = {"step": moments.step}
@@ -636,10 +636,10 @@ def weight_digest(weight: torch.Tensor) -> int:
     return (total + 2 ** 63) % 2 ** 64 - 2 ** 63  # (an int64 value: it is saved as a tensor)
 
 
-def exact_update(weight: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor,
+def fp32_update(weight: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor,
                  exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: torch.Tensor,
                  settings: adamw.Settings, found_inf: Optional[torch.Tensor] = None) -> None:
-    """The exact state's update (parameters under min_8bit_size): torch's fused AdamW on the
+    """The fp32 state's update (parameters under min_8bit_size): torch's fused AdamW on the
     fp32 master (``weight`` plus ``remainder``, flat), split back into them in place; the
     count ``step`` already advanced. A step skipped by ``found_inf`` leaves the master as it
     was, and splitting it gives back the same weight and remainder. The streamed update
@@ -659,7 +659,7 @@ def _check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
     """``optimizer.state[p]`` as a step needs it. The kernels walk raw pointers: a state
     tensor of another size assigned by hand read and wrote past its end (heap corruption)."""
     n, blocks = p.numel(), -(-p.numel() // compact_adam.BLOCK)
-    if _is_exact(entry):
+    if _is_fp32_layout(entry):
         want = {"exp_avg": (torch.float32, n), "exp_avg_sq": (torch.float32, n)}
     else:
         want = {"exp_avg": (torch.uint8, n), "exp_avg_sq": (torch.uint8, n),
@@ -672,10 +672,10 @@ def _check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
         raise ValueError(f"{where}: 'step' is {step!r:.40}; it must be a one-element tensor. "
                          "Put back the full entry, or `del optimizer.state[p]` to restart its state.")
     count = float(step)
-    if not (math.isfinite(count) and count >= 0 and (_is_exact(entry) or count == int(count))):
+    if not (math.isfinite(count) and count >= 0 and (_is_fp32_layout(entry) or count == int(count))):
         # (the compact update counts whole steps: a fraction would be cut off silently)
         raise ValueError(f"{where}: 'step' is {count!r}; it must be a finite count >= 0"
-                         + ("" if _is_exact(entry) else ", a whole number in the compact layout") + ".")
+                         + ("" if _is_fp32_layout(entry) else ", a whole number in the compact layout") + ".")
     for key, (dtype, numel) in want.items():
         value = entry.get(key)
         if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.numel() == numel
@@ -710,7 +710,7 @@ def to_adamw_state_dict(state_dict: dict, params: list) -> tuple[dict, list]:
     """A CompactAdamW state dict in torch AdamW's layout: (state dict, fp32 masters in the
     order of ``params``, the parameters the state belongs to, as bf16 weights). Load the
     masters into fp32 parameters for an exact continuation, or round them to bf16. A group
-    keeps its ``fused`` if it has one, else says fused=True: the exact layout's update
+    keeps its ``fused`` if it has one, else says fused=True: the fp32 layout's update
     (parameters under min_8bit_size) is torch's fused AdamW, which such tensors then continue
     bit for bit (torch's for-loop AdamW rounds differently)."""
     out, masters = {"state": {}, "param_groups": []}, []
@@ -725,13 +725,13 @@ def to_adamw_state_dict(state_dict: dict, params: list) -> tuple[dict, list]:
         if not entry:
             masters.append(weight.float().view(p.shape))
             continue
-        if _is_exact(entry):
+        if _is_fp32_layout(entry):
             master = compact_adam.master_of(weight, entry.get("remainder"))
-            exact = {k: entry[k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+            moments = {k: entry[k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
         else:
-            master, exact = compact_adam.to_exact(_state_of(entry, weight))
-        out["state"][index] = {"step": exact["step"], "exp_avg": exact["exp_avg"].view(p.shape),
-                               "exp_avg_sq": exact["exp_avg_sq"].view(p.shape)}
+            master, moments = compact_adam.to_adamw(_state_of(entry, weight))
+        out["state"][index] = {"step": moments["step"], "exp_avg": moments["exp_avg"].view(p.shape),
+                               "exp_avg_sq": moments["exp_avg_sq"].view(p.shape)}
         masters.append(master.view(p.shape))
     return out, masters
 
@@ -774,7 +774,7 @@ def from_adamw_state_dict(state_dict: dict, params: list, master: bool = True,
             if master:
                 out["state"][index]["remainder"] = compact_adam.split_master(source.reshape(-1))[1].view(p.shape)
             continue
-        state = compact_adam.from_exact(p, m, v, step=int(step), master=saved_master, master_weights=master)
+        state = compact_adam.from_adamw(p, m, v, step=int(step), master=saved_master, master_weights=master)
         sd = state.state_dict()
         out["state"][index] = {k: t.view(p.shape) if t.numel() == p.numel() else t for k, t in sd.items()}
     return out

@@ -13,7 +13,7 @@ the host update's bits (compact_gpu), so the same state moves between the two.
 This module holds what differs from other formats (offload_plugin.streamed queues, orders
 and settles them all): the host state's layout in page-locked memory, the units it is cut
 into, the staging of each unit, and the kernels. Parameters under
-``min_8bit_size`` elements keep exact state (fp32 moments), as ``CompactAdamW`` keeps it:
+``min_8bit_size`` elements keep fp32 state (fp32 moments), as ``CompactAdamW`` keeps it:
 torch's fused AdamW updates their fp32 master (weight plus remainder) on the GPU, as
 torch's ``AdamW(fused=True)`` would there (on the host it is torch's CPU kernel, whose bits
 may differ in the last place).
@@ -37,7 +37,7 @@ import torch
 
 from offload_plugin import adamw, compact_adam
 from offload_plugin.compact_adam import BLOCK
-from offload_plugin.compact_optimizer import exact_update
+from offload_plugin.compact_optimizer import fp32_update
 from offload_plugin.host_buffers import HostSlot, _huge_page_block, _pin
 from offload_plugin.state_formats import StateFormat
 
@@ -64,13 +64,13 @@ def _device_refusal(device: torch.device, on_cpu: bool) -> Optional[str]:
 class CompactUnit:
     """Elements ``[start, end)`` of one parameter, and their state's host spans (flat):
     ``(remainder or None, exp_avg_absmax, exp_avg_sq_absmax, exp_avg, exp_avg_sq)`` for
-    compact state, ``(remainder or None, exp_avg, exp_avg_sq)`` for exact (small) state."""
+    compact state, ``(remainder or None, exp_avg, exp_avg_sq)`` for fp32 (small) state."""
 
     group: int
     slot: HostSlot
     start: int
     end: int
-    exact: bool
+    fp32: bool  # the fp32 layout (parameters under min_8bit_size), else 8-bit codes
     host: tuple
     param: torch.Tensor  # the device weight's flat view [start, end)
     at: int = 0  # the slot's place among the step's gradients
@@ -85,7 +85,7 @@ class CompactUnit:
 def stage_layout(chunk_numel: int) -> list:
     """The staging pair of the compact pool, for units of up to ``chunk_numel`` elements
     (a multiple of BLOCK): int16 remainders, and bytes for the absmax and codes (compact)
-    or the fp32 moments (exact units, under 4096 elements)."""
+    or the fp32 moments (fp32 units, under 4096 elements)."""
     return [(chunk_numel, torch.int16), (2 * chunk_numel + 8 * (chunk_numel // BLOCK), torch.uint8)]
 
 
@@ -93,7 +93,7 @@ def _stage_need(unit: CompactUnit) -> tuple[int, int]:
     """(remainder elements, bytes) the unit takes in a staging pair, rounded so that the
     next unit's views stay aligned (blocks of 256 elements; 64 bytes)."""
     n = -(-unit.numel // BLOCK) * BLOCK
-    nbytes = 8 * unit.numel if unit.exact else 2 * n + 8 * (n // BLOCK)
+    nbytes = 8 * unit.numel if unit.fp32 else 2 * n + 8 * (n // BLOCK)
     return n, -(-nbytes // _BYTE_ALIGN) * _BYTE_ALIGN
 
 
@@ -103,7 +103,7 @@ def _stage_views(unit: CompactUnit, rem: torch.Tensor, raw: torch.Tensor, at: in
     n = unit.numel
     remainder = rem[at:at + n] if unit.host[0] is not None else None
     raw = raw[at_byte:]
-    if unit.exact:
+    if unit.fp32:
         return remainder, raw[:4 * n].view(torch.float32), raw[4 * n:8 * n].view(torch.float32)
     nb = -(-n // BLOCK)
     return (remainder, raw[:4 * nb].view(torch.float32), raw[4 * nb:8 * nb].view(torch.float32),
@@ -252,29 +252,29 @@ class CompactFormat(StateFormat):
         units = []
         for at, (slot, entry, group) in enumerate(zip(slots, entries, group_of)):
             n = slot.param.numel()
-            exact = "exp_avg_absmax" not in entry
+            fp32 = "exp_avg_absmax" not in entry
             remainder = entry.get("remainder")
             flat = [None if remainder is None else remainder.view(-1)]
-            if exact:
+            if fp32:
                 flat += [entry["exp_avg"].view(-1), entry["exp_avg_sq"].view(-1)]
             else:
                 flat += [entry[k].view(-1) for k in ("exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg", "exp_avg_sq")]
             param = slot.param.detach().view(-1)
-            step = n if exact else chunk_numel
+            step = n if fp32 else chunk_numel
             for a in range(0, n, step):
                 b = min(n, a + step)
-                if exact:
+                if fp32:
                     host = tuple(flat)
                 else:
                     a_blk, b_blk = a // BLOCK, -(-b // BLOCK)
                     host = (None if flat[0] is None else flat[0][a:b], flat[1][a_blk:b_blk],
                             flat[2][a_blk:b_blk], flat[3][a:b], flat[4][a:b])
-                units.append(CompactUnit(group, slot, a, b, exact, host, param[a:b], at))
+                units.append(CompactUnit(group, slot, a, b, fp32, host, param[a:b], at))
         return units
 
     def reserve(self, ring, unit: CompactUnit) -> None:
         need, _ = _stage_need(unit)
-        ring.reserve(POOL, 4 * need if unit.exact else need, layout=stage_layout)
+        ring.reserve(POOL, 4 * need if unit.fp32 else need, layout=stage_layout)
 
     def stage_size(self, unit: CompactUnit) -> tuple:
         return (POOL, *_stage_need(unit))
@@ -307,9 +307,9 @@ class CompactFormat(StateFormat):
         made, args = {}, []
         for unit in units:  # (a row per group and count: the units of a step share them)
             key = (unit.group, int(counts[unit.slot.order]) + 1)
-            if not unit.exact and key not in made:
+            if not unit.fp32 and key not in made:
                 made[key] = self._coefficients.row(groups[key[0]], key[1])
-            args.append((None if unit.exact else made[key], adamw.Settings.adamw(groups[unit.group])))
+            args.append((None if unit.fp32 else made[key], adamw.Settings.adamw(groups[unit.group])))
         return args
 
     def to_device(self, args: list, ring) -> list:
@@ -323,13 +323,13 @@ class CompactFormat(StateFormat):
 
     def update(self, unit: CompactUnit, views: tuple, grads: list, steps: list, found: torch.Tensor,
                args) -> None:
-        """Compact state by compact_gpu's kernel (the native CPU kernel in tests), exact
+        """Compact state by compact_gpu's kernel (the native CPU kernel in tests), fp32
         state by torch's fused AdamW on the fp32 master (weight plus remainder)."""
         coeffs, settings = args
         grad = grads[unit.at].view(-1)[unit.start:unit.end]
-        if unit.exact:
+        if unit.fp32:
             remainder, exp_avg, exp_avg_sq = views
-            exact_update(unit.param, remainder, grad, exp_avg, exp_avg_sq, steps[unit.at], settings,
+            fp32_update(unit.param, remainder, grad, exp_avg, exp_avg_sq, steps[unit.at], settings,
                          found_inf=found)
             return
         remainder, m_absmax, v_absmax, m_codes, v_codes = views

@@ -63,7 +63,7 @@ log = logging.getLogger(__name__)
 # Elements per staging buffer: a copy of 16 MiB (bf16) takes ~0.3 ms at the H200 machine's
 # 55 GB/s each way, far above a copy's fixed cost, and the ring (RING_SIZE buffers of two
 # moments) costs 96 MiB of device memory for bf16 parameters.
-CHUNK_NUMEL = 1 << 23
+STAGE_NUMEL = 1 << 23
 RING_SIZE = 3
 # Queued steps inside a backward go to the GPU once they hold this many elements (64 MiB of
 # bf16 gradients: a 1B transformer layer's tensors in two or three flushes). Each flush costs
@@ -127,14 +127,14 @@ class StagingRing:
         self.in_flight_bytes = 0
 
     def reserve(self, dtype, numel: int, layout=None) -> None:
-        """Buffers of at least ``numel`` elements (grown by doubling, at most CHUNK_NUMEL:
+        """Buffers of at least ``numel`` elements (grown by doubling, at most STAGE_NUMEL:
         units are never larger). ``dtype`` names the pool; ``layout(numel)``, if given,
         lists the pair's (size, dtype) (compact_streamed.stage_layout), else two buffers
         of ``numel`` elements of ``dtype``."""
         have = self.numel.get(dtype, 0)
         if numel <= have or not self.is_async:
             return
-        numel = min(max(numel, 2 * have), CHUNK_NUMEL)
+        numel = min(max(numel, 2 * have), STAGE_NUMEL)
         shapes = layout(numel) if layout is not None else [(numel, dtype)] * 2
         pairs = []
         for _ in range(RING_SIZE):
@@ -477,7 +477,7 @@ class StreamedEngine(Engine):
         group_of = [index_of[id(s.param)] for s in slots]
         fmt = self.format
         entries = fmt.entries(self.inner, slots, group_of, pin=ring.is_async and self.arena.pin)
-        units = fmt.cut(slots, entries, group_of, CHUNK_NUMEL)
+        units = fmt.cut(slots, entries, group_of, STAGE_NUMEL)
         for unit in units:
             fmt.reserve(ring, unit)
         if fmt.watches_weights:

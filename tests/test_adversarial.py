@@ -319,7 +319,7 @@ def _compact_step(model, opt, i):
 
 
 def test_compact_wrongly_shaped_state_assigned_by_hand_is_refused_not_a_crash():
-    """CompactAdamW's exact layout (small parameters) runs torch's fused kernel on its state:
+    """CompactAdamW's fp32 layout (small parameters) runs torch's fused kernel on its state:
     a moment of the wrong size assigned by hand corrupted the heap ("corrupted double-linked
     list"). It must be a clear error naming the entry (fresh process: a crash fails)."""
     out = _run_wrong_shape(model="_compact_model", step="_compact_step",

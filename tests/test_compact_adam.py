@@ -366,28 +366,28 @@ def test_exact_state_converts_both_ways():
     m = torch.randn(n, generator=gen) * 1e-3
     v = torch.rand(n, generator=gen) * 1e-6
     param = master.to(torch.bfloat16)
-    s = ca.from_exact(param, m, v, step=7, master=master)
+    s = ca.from_adamw(param, m, v, step=7, master=master)
     assert s.step == 7 and torch.equal(s.master().view(torch.int32), master.view(torch.int32))
     assert torch.equal(s.weight, ca.split_master(master)[0])
-    back, st8 = ca.to_exact(s)
+    back, st8 = ca.to_adamw(s)
     assert torch.equal(back, master) and float(st8["step"]) == 7
     m_codes, m_absmax = ca.quantize(m, True)
     assert torch.equal(st8["exp_avg"], ca.dequantize(m_codes, m_absmax, True))
     gap = 0.0141  # the signed map's largest gap: errors stay under half of it
     assert (st8["exp_avg"] - m).abs().max() <= gap / 2 * m.abs().max()
     assert (st8["exp_avg_sq"] - v).abs().max() <= 0.0036 * v.max()
-    # The exact state loads into torch's AdamW and steps from there.
+    # The fp32 state loads into torch's AdamW and steps from there.
     p = torch.nn.Parameter(back.clone())
     opt = torch.optim.AdamW([p], lr=1e-3)
     opt.state[p] = {k: t.clone() for k, t in st8.items()}
     p.grad = torch.randn(n, generator=gen)
     opt.step()
     # Without a master, an fp32 parameter is the master; a bf16 one has remainder 0.
-    s2 = ca.from_exact(master, m, v)
+    s2 = ca.from_adamw(master, m, v)
     assert torch.equal(s2.master(), master)
-    s3 = ca.from_exact(param, m, v)
+    s3 = ca.from_adamw(param, m, v)
     assert torch.equal(s3.master(), param.float()) and not s3.remainder.any()
-    assert ca.from_exact(param, m, v, master_weights=False).remainder is None
+    assert ca.from_adamw(param, m, v, master_weights=False).remainder is None
 
 
 @needs_kernel

@@ -17,7 +17,7 @@ from offload_plugin import CompactAdamW, CPUOffloadOptimizer, compact_optimizer
 from reference_twin import assert_same_params, make_model, train, train_overlapped, trainable
 
 # min_8bit_size=0: the test model's parameters are all under the default 4096 elements,
-# which keep exact state; the compact layout is what most tests here are about.
+# which keep fp32 state; the compact layout is what most tests here are about.
 KW = {"lr": 1e-2, "weight_decay": 0.1, "min_8bit_size": 0}
 # Parametrizes the tests that must hold for both layouts: everything compact, or the
 # default (every parameter of the test model under min_8bit_size: exact fp32 moments).

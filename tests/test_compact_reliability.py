@@ -18,7 +18,7 @@ PATHS = ["direct", "host", "streamed"]
 
 
 def make_model(seed=0) -> nn.Module:
-    """bf16 layers above and below min_8bit_size (4096 elements): compact and exact state."""
+    """bf16 layers above and below min_8bit_size (4096 elements): compact and fp32 state."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 4)).to(torch.bfloat16)
 

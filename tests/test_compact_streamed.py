@@ -19,7 +19,7 @@ KW = dict(lr=2e-3, weight_decay=0.1, optimizer_cls="offload_plugin.CompactAdamW"
 @pytest.fixture(autouse=True)
 def _streamed_on_cpu(monkeypatch):
     monkeypatch.setattr(streamed, "_ON_CPU", True)
-    monkeypatch.setattr(streamed, "CHUNK_NUMEL", 2048)  # the 64x96 weight goes in 3 ranges
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)  # the 64x96 weight goes in 3 ranges
 
 
 def make_model(seed=0) -> nn.Module:
@@ -73,7 +73,7 @@ def assert_same(model_a, opt_a, model_b, opt_b):
 def test_streamed_compact_is_the_host_update_bit_for_bit(monkeypatch, min_8bit_size, master):
     """Six steps with a non-finite gradient at the fourth (skipped, counts held): the same
     weights, losses and state as CompactAdamW's host update; compact layers go in ranges,
-    small ones keep exact state (with the default min_8bit_size)."""
+    small ones keep fp32 state (with the default min_8bit_size)."""
     kw = dict(min_8bit_size=min_8bit_size, master=master)
     host_model, host = build(False, monkeypatch, **kw)
     host_losses = run(host_model, host, 6, nonfinite_at=3)
@@ -285,7 +285,7 @@ def test_gpu_streamed_compact_has_the_host_updates_bits(monkeypatch, master):
     is compact; with the default, small ones take torch's fused AdamW on the GPU, whose
     bits may differ from its CPU kernel's in the last place."""
     monkeypatch.setattr(streamed, "_ON_CPU", True)
-    monkeypatch.setattr(streamed, "CHUNK_NUMEL", 2048)
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
     for min_8bit_size in (0, 4096):
         kw = dict(master=master, min_8bit_size=min_8bit_size)
         cpu_model, cpu_opt = _stepped_with_given_grads("cpu", 5, monkeypatch, **kw)

@@ -293,7 +293,7 @@ def test_compact_state_on_two_ranks_trains_and_resumes_exactly(workdir, tmp_path
     assert logged[2 * STEPS]["loss"] < logged[1]["loss"]
     saved = torch.load(straight / "recipe_state" / "recipe_state.pt", map_location="cpu", weights_only=True)
     layouts = {"exp_avg_absmax" in entry for entry in saved["optimizer"]["state"].values()}
-    assert layouts == {True, False}, "both the compact and the exact layout are in the checkpoint"
+    assert layouts == {True, False}, "both the compact and the fp32 layout are in the checkpoint"
     out = tmp_path / "resumed"
     shutil.copytree(straight, out, ignore=shutil.ignore_patterns("epoch_1", "logs"))
     _tune_run(RECIPE["full"], config, workdir, out, optimizer, *TWO_RANKS, *FULL_HPARAMS, *compact,

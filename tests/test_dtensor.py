@@ -362,7 +362,7 @@ def test_qlora_nf4_base_sharded_trains_adapters_like_one_process(tmp_path, clip)
 
 def _compact_model() -> torch.nn.Module:
     """bf16. Rows of 256 elements are whole blocks (compact, block scales per row, the 7
-    rows split 4/3); rows of 7 are not (exact state); the last layer's single row of 256
+    rows split 4/3); rows of 7 are not (fp32 state); the last layer's single row of 256
     leaves rank 1 an empty shard of a compact parameter."""
     torch.manual_seed(0)
     return torch.nn.Sequential(

@@ -256,12 +256,12 @@ def _assert_same(ref_model, ref_optims: list, model, optims: list, where: str) -
 def _streamed_on_cpu(enabled: bool):
     """The streamed update's CPU twin, 32x32 weights cut in ranges (a multiple of the CPU
     kernel's vector width: its scalar tail rounds differently, CUDA's does not)."""
-    saved = streamed._ON_CPU, streamed.CHUNK_NUMEL
-    streamed._ON_CPU, streamed.CHUNK_NUMEL = enabled, 640
+    saved = streamed._ON_CPU, streamed.STAGE_NUMEL
+    streamed._ON_CPU, streamed.STAGE_NUMEL = enabled, 640
     try:
         yield
     finally:
-        streamed._ON_CPU, streamed.CHUNK_NUMEL = saved
+        streamed._ON_CPU, streamed.STAGE_NUMEL = saved
 
 
 @pytest.mark.parametrize("mode", ["host", "streamed", "offload_gradients", "device_fraction"])

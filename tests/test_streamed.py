@@ -21,7 +21,7 @@ def _streamed_on_cpu(monkeypatch):
     monkeypatch.setattr(streamed, "_ON_CPU", True)
     # The 32x32 weights go in ranges. (A multiple of the CPU kernel's vector width: its
     # scalar tail rounds differently, CUDA's kernel does not.)
-    monkeypatch.setattr(streamed, "CHUNK_NUMEL", 640)
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 640)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -21,7 +21,7 @@ LR = 1e-2
 def _streamed_on_cpu(monkeypatch):
     monkeypatch.setattr(streamed, "_ON_CPU", True)
     # The 32x32 weight goes in ranges (see test_streamed.py).
-    monkeypatch.setattr(streamed, "CHUNK_NUMEL", 640)
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 640)
 
 
 def _model(seed=0):

@@ -21,7 +21,7 @@ def test_gpu_streamed_update_is_torch_fused_adam_on_the_gpu(monkeypatch, dtype, 
     """Two groups, accumulation, torchtune's scaling, torch's clipping, a scheduler; weights
     in ranges and small ones packed: the same bits as torch's fused kernel on the GPU,
     and the same state, which lives in host memory."""
-    monkeypatch.setattr(streamed, "CHUNK_NUMEL", 300)
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 300)
     ref_model, ref, model, opt, ref_run, run = trained_in_two_groups("cuda", dtype, cls, **KW)
     assert opt.engine.streams
     assert_same_params(ref_model, model, exact=True)
@@ -141,7 +141,7 @@ def test_gpu_streamed_update_adds_only_its_staging_ring_to_device_memory():
     base = torch.cuda.memory_allocated()
     opt.step()
     torch.cuda.synchronize()
-    ring = streamed.RING_SIZE * 2 * min(streamed.CHUNK_NUMEL, 4096 * 4096) * 2
+    ring = streamed.RING_SIZE * 2 * min(streamed.STAGE_NUMEL, 4096 * 4096) * 2
     added = torch.cuda.memory_allocated() - base
     moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     assert added <= ring + (1 << 20) < moments, (added, ring, moments)
