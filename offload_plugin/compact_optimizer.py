@@ -195,7 +195,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
                 if p.numel() == 0:  # an empty shard: nothing to update, the count goes on
                     entry["step"] += 1
                     continue
-                self._settle_remainder(p, p, self._written.changed(p, p))
+                self._decide_remainder(p, p, self._written.changed(p, p))
                 if _is_fp32_layout(entry):
                     self._fp32_step(p, group, grad_scale)
                 else:
@@ -211,7 +211,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         for p in params:  # weights written since their last update (CPUOffloadOptimizer's adopts them too)
             if self._written.changed(p, p):
-                self._settle_remainder(p, p, written=True)
+                self._decide_remainder(p, p, written=True)
                 self._remember_version(p)
         sd = super().state_dict()
         sd["state"] = {index: self.saved_entry(params[index], entry, params[index])
@@ -235,16 +235,16 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         is, when ``p`` is not it, as for the streamed update's placeholders): its master
         restarts from it (remainder zero), unless the remainder was loaded with a digest
         that the written weight has (see _setup_tracking)."""
-        self._settle_remainder(p, p if weight is None else weight, written=True)
+        self._decide_remainder(p, p if weight is None else weight, written=True)
 
     def before_update(self, p: torch.Tensor, weight: torch.Tensor) -> None:
         """``p``'s update is about to read ``weight`` (for paths that update without
         step(), the streamed update): a remainder loaded with a digest is kept or dropped
         now, as step() does."""
         if p in self._loaded:
-            self._settle_remainder(p, weight, written=False)
+            self._decide_remainder(p, weight, written=False)
 
-    def _settle_remainder(self, p: torch.Tensor, weight: torch.Tensor, written: bool) -> None:
+    def _decide_remainder(self, p: torch.Tensor, weight: torch.Tensor, written: bool) -> None:
         digest = self._loaded.pop(p, None)
         if digest is not None:  # a resume: is this the weight the remainder was saved with?
             written = weight_digest(weight) != digest

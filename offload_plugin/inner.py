@@ -68,7 +68,7 @@ class InnerOptimizer:
 
     def before_update(self, p: torch.Tensor, weight: torch.Tensor) -> None:
         """An update that bypasses ``step()`` (the streamed update) is about to read
-        ``weight`` for ``p``: settle what ``step()`` would settle first."""
+        ``weight`` for ``p``: decide first what ``step()`` would decide first (a loaded remainder)."""
         raise NotImplementedError
 
     def init_state(self, p: torch.Tensor, group: dict, empty: Callable = torch.empty) -> dict:
