@@ -307,7 +307,7 @@ def test_environment_switches_the_streamed_update_off(value, enabled):
 def test_wrongly_shaped_moment_assigned_by_hand_is_refused_changing_nothing():
     """The streamed update cuts its copies from the state's moments: one of another size
     assigned by hand to ``optimizer.state[p]`` is refused with a message when the step
-    re-plans, the weights and step counts as they were (host_update._check_adam_state)."""
+    re-plans, the weights and step counts as they were (adamw_moments.adam_state)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).to(torch.bfloat16)
     opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2)
