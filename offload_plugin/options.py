@@ -393,6 +393,8 @@ def check_amp_scaler(options: Options, grad_scale: Optional[torch.Tensor], engin
     """Refuse torch.amp.GradScaler's scale (``optimizer.grad_scale``, handed to ``step()``)
     where the update cannot take it; ``engine``: the one that runs this step, with a state
     format whose kernel takes a scale or not (``format_takes_scale``)."""
+    if grad_scale is None:  # (every step asks, one optimizer per parameter under optimizer_in_bwd)
+        return
     _apply("check_amp_scaler", grad_scale=grad_scale, offload_gradients=options.offload_gradients,
            format_takes_scale=format_takes_scale, engine=engine)
 

@@ -631,7 +631,7 @@ def _run_unit(fmt, unit, job: _Job, ring: StagingRing, found: torch.Tensor, arg,
     pool, numel, nbytes = fmt.stage_size(unit)
     index, used, used_bytes = filling.get(pool, (None, 0, 0))
     if (index is None or used + numel > ring.numel[pool]
-            or used_bytes + nbytes > ring.buffers(pool, index)[1].numel()):
+            or (nbytes and used_bytes + nbytes > ring.buffers(pool, index)[1].numel())):
         if index is not None:
             ring.release(pool, index)
         index, used, used_bytes = ring.take(pool), 0, 0
