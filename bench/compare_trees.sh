@@ -2,7 +2,7 @@
 # Before/after on one machine: the same bench_train.py runs from two checkouts, alternating
 # (before, after, before, after), so that a change is judged against run-to-run spread.
 #   git worktree add /tmp/before <commit>       # or: git archive <commit> | tar -x -C DIR
-#   bash bench/compare_trees.sh /tmp/before 1b qlora 8b
+#   bash bench/compare_trees.sh /tmp/before 1b qlora 8b    # ROUNDS=n: n rounds (default 2)
 # Stages (each ~2-6 minutes on the H200 machine): 1b (Llama-3.2-1B full 4k, exact with and
 # without masters, early_forward), qlora (Llama-3.1-8B QLoRA 4k), 8b (Llama-3.1-8B full 4k,
 # exact without masters), 8b24 (Llama-3.1-8B full 4k under a 24 GiB cap with activation
@@ -46,7 +46,7 @@ for stage in "$@"; do
     esac
     runner=run
     [ "$stage" = stock1b ] && runner=run_stock
-    for round in 1 2; do
+    for round in $(seq "${ROUNDS:-2}"); do
         $runner "$stage-before-$round" "$before" "${args[@]}"
         $runner "$stage-after-$round" "$after" "${args[@]}"
     done
