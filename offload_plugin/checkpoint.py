@@ -495,7 +495,7 @@ def write_weights(engine, plan: LoadPlan) -> None:
 def with_masters(engine, sd: dict) -> dict:
     """``engine``'s state dict from torch's packing (``sd``), with each master weight added and
     DTensor parameters' state laid out as DTensors (see CPUOffloadOptimizer.state_dict)."""
-    # torch's packing hands out the host optimizer's live per-parameter dicts: copy them
+    # torch's packing hands out the inner optimizer's live per-parameter dicts: copy them
     # before adding keys, so the live state never holds the master or DTensors.
     sd["state"] = {index: dict(entry) for index, entry in sd["state"].items()}
     saved_entry = contract(type(engine.inner)).hook(engine.inner, "saved_entry")

@@ -160,7 +160,7 @@ class ArenaAccount:
 class HostSlot:
     """The host side of one trainable parameter.
 
-    ``master`` is what the host optimizer updates (fp32 for bf16/fp16 parameters with
+    ``master`` is what the inner optimizer updates (fp32 for bf16/fp16 parameters with
     master weights, else the parameter's dtype). ``grad`` holds the gradient in the
     parameter's dtype, accumulated on the host when gradients are offloaded.
     ``weight_stage`` holds the updated weight in the parameter's dtype on its way back to
@@ -198,7 +198,7 @@ class HostSlot:
     order: int = -1
     # The device the parameter was on (a weight moved since is refused: weight_sync).
     param_device: Optional[torch.device] = None
-    # Told of ``master`` when a changed weight replaced it: the host optimizer's
+    # Told of ``master`` when a changed weight replaced it: the inner optimizer's
     # ``weight_replaced`` if it has one (CompactAdamW drops the old weight's remainder).
     on_replaced: Optional[Callable[[torch.Tensor], None]] = None
     # (weight_source(), param) for a plain tensor, whose buffers and parameter never change:

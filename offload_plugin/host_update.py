@@ -135,7 +135,7 @@ class _Batch:
             for st, step, m, v in self.held)
 
 
-# host optimizer -> {ids of a batch's slots: _Batch}; weak, so that it goes with its optimizer.
+# inner optimizer -> {ids of a batch's slots: _Batch}; weak, so that it goes with its optimizer.
 _BATCHES: "weakref.WeakKeyDictionary[Optimizer, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -203,7 +203,7 @@ def update_slots(
     """Run one optimizer step for ``slots`` (each with a gradient in ``slot.grad``).
 
     Args:
-        optimizer: the host optimizer over the slots' master tensors.
+        optimizer: the inner optimizer over the slots' master tensors.
         group_of: maps the id of a master tensor to its param group in ``optimizer``.
         slots: the parameters to update now; others are left untouched.
         grad_scale: multiply gradients by this first (None: leave them as they are).

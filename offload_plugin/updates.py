@@ -36,7 +36,7 @@ _by_order = operator.attrgetter("order")
 class StepPlan:
     """One step's updates, from their first submission until the step is complete."""
 
-    groups: dict  # id of a host master -> its param group in the host optimizer
+    groups: dict  # id of a host master -> its param group in the inner optimizer
     grad_scale: Optional[float]  # multiply each gradient by this in its update
     check_each: bool  # no whole-step inf/NaN verdict: each update checks its own gradient
     clip_coef: Optional[torch.Tensor]  # left by clip_grad_norm_ for the updates to apply
@@ -68,9 +68,9 @@ class StepPlan:
 class Updates:
     """Submits one optimizer's slot updates to the host worker and sends weights back."""
 
-    def __init__(self, host_optimizer: Callable[[], Optimizer], grads: GradientPath,
+    def __init__(self, inner: Callable[[], Optimizer], grads: GradientPath,
                  transfers: Transfers, worker: HostWorker) -> None:
-        self._host_optimizer = host_optimizer  # (created with the first param group)
+        self._inner = inner  # the inner optimizer (created with the first param group)
         self.grads, self.transfers, self.worker = grads, transfers, worker
         self.last_push = None  # event of the latest weight copy (copies complete in order)
         self._runs_cache: dict = {}  # for transfer.packed_runs: our host buffers' runs
@@ -91,7 +91,7 @@ class Updates:
         # Values the fused update cannot use are refused here, before any update of the
         # step (its worker jobs would fail after updating others). Other classes check
         # their own in their step().
-        host = self._host_optimizer()
+        host = self._inner()
         for index, values in enumerate(hyper):
             if host_update.uses_fused_adam(host, values):
                 host_update.check_hyperparameters(index, values)
@@ -111,7 +111,7 @@ class Updates:
                         clip_coef=clip_coef)
 
     def _set_hyperparameters(self, hyper: list[dict]) -> None:
-        for values, inner in zip(hyper, self._host_optimizer().param_groups):
+        for values, inner in zip(hyper, self._inner().param_groups):
             inner.update(values)
 
     # ------------------------------------------------------------------ submitting
@@ -220,7 +220,7 @@ class Updates:
                 for slot in finite:
                     slot.grad.mul_(plan.clip_coef)
         settled = time.perf_counter() if trace is not None else 0.0
-        host_update.update_slots(self._host_optimizer(), plan.groups, finite, grad_scale)
+        host_update.update_slots(self._inner(), plan.groups, finite, grad_scale)
         updated = time.perf_counter() if trace is not None else 0.0
         self.last_push = self.transfers.to_device(
             # The parameters themselves: detaching each would cost the GIL a round trip.

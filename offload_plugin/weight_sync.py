@@ -122,4 +122,4 @@ def adopt_weight(slot: HostSlot) -> bool:
         # Written, the same bits or not: CompactAdamW's master restarts from the weight, as
         # where it cannot compare (its weight is the master's upper half: CompactAdamW._setup_tracking).
         slot.on_replaced(slot.master)
-    return not same  # (the same bits: the host optimizer keeps what it derived)
+    return not same  # (the same bits: the inner optimizer keeps what it derived)
