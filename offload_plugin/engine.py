@@ -148,6 +148,30 @@ class Engine:
         self.slots.add(slots)  # in parameter order: forward order for torchtune's models
         return slots
 
+    # ------------------------------------------------------------------ what each engine does
+    def step(self) -> None:
+        """Update every parameter that has a gradient (the optimizer's ``step()``)."""
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """Wait for anything still in flight (a queued step, copies into host memory, an
+        update running in the background) and raise its errors. Cheap when idle."""
+        raise NotImplementedError
+
+    def forget_state(self) -> None:
+        """The inner optimizer's state was replaced (a load, ``state[p] = ...``): drop what
+        was worked out from it (batches, plans, step counts on the device)."""
+        raise NotImplementedError
+
+    def adopt_changed_weights(self) -> None:
+        """Take over weights written outside the optimizer since it last matched them,
+        before a step's first update (or a state dict) reads what derives from them."""
+        raise NotImplementedError
+
+    def reload_weights(self) -> None:
+        """Re-read every weight (after writes through ``param.data``, which no tracker sees)."""
+        raise NotImplementedError
+
     # ------------------------------------------------------------------ gradients
     def ready_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(param, gradient)`` of every parameter the next update would step, in parameter
