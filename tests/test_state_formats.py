@@ -114,7 +114,7 @@ def test_adamw_format_is_torch_fused_adamw(dtype, staged):
 @pytest.mark.skipif(compact_adam.kernel() is None, reason="no compact kernel here")
 @pytest.mark.parametrize("staged", [False, True])
 def test_compact_format_is_compact_adamws_step(staged):
-    sizes = [(64, 96), (64,), (100, 50), (70,)]  # two compact (one in ranges), two exact
+    sizes = [(64, 96), (64,), (100, 50), (70,)]  # two compact (one in ranges), two in the fp32 layout
     params, ref_params = models(BF16, sizes)
     group_of = [0, 0, 1, 1]
     kw = dict(betas=(0.9, 0.99), weight_decay=0.1, eps=1e-8)
