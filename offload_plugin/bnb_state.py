@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["WRAPPED", "BnbMoments", "is_bnb_entry", "read_entry"]
+__all__ = ["WRAPPED", "BnbMoments", "BnbState", "is_bnb_entry", "read_entry", "read_state"]
 
 WRAPPED = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict() puts its tensors
 _8BIT_KEYS = {"state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2"}
@@ -56,8 +56,39 @@ def is_bnb_entry(entry) -> bool:
     return isinstance(entry, Mapping) and (WRAPPED in entry or "state1" in entry)
 
 
+@dataclass
+class BnbState:
+    """One entry's tensors as bitsandbytes wrote them, each checked and copied to the host:
+    ``state1``/``state2`` (uint8 codes shaped like the parameter, or fp32 state), and for an
+    8-bit entry ``qmap1``/``qmap2`` and ``absmax1``/``absmax2`` (one fp32 scale per ``block``
+    elements)."""
+
+    step: int
+    tensors: dict
+    quantized: bool  # an 8-bit entry (else bitsandbytes kept it in 32 bits)
+    block: int = 0
+
+
 def read_entry(where: str, entry: Mapping, shape: torch.Size) -> BnbMoments:
     """The moments of a bitsandbytes Adam state entry for a parameter of ``shape``.
+
+    Raises:
+        ValueError: a key, dtype, shape or value that bitsandbytes 0.50 does not write,
+            naming the entry and the key.
+    """
+    state = read_state(where, entry, shape)
+    t = state.tensors
+    if not state.quantized:
+        return BnbMoments(state.step, t["state1"], t["state2"], quantized=False)
+    n = math.prod(shape)
+    moments = [(t[f"qmap{k}"][t[f"state{k}"].reshape(-1).long()]
+                * t[f"absmax{k}"].repeat_interleave(state.block)[:n]).reshape(shape) for k in (1, 2)]
+    return BnbMoments(state.step, moments[0], moments[1], quantized=True)
+
+
+def read_state(where: str, entry: Mapping, shape: torch.Size) -> BnbState:
+    """A bitsandbytes Adam state entry for a parameter of ``shape``, every field checked
+    (see the module's docstring) and copied to the host.
 
     Raises:
         ValueError: a key, dtype, shape or value that bitsandbytes 0.50 does not write,
@@ -70,7 +101,7 @@ def read_entry(where: str, entry: Mapping, shape: torch.Size) -> BnbMoments:
             f"{where} has the keys {sorted(map(str, entry))}: a bitsandbytes Adam entry holds "
             f"'step' and {WRAPPED!r} (a dict of its tensors), or its tensors beside 'step'. {_FIX}"
         )
-    step = _step(where, entry["step"])
+    step = read_step(where, entry["step"])
     state1, state2 = (tensors.get(k) for k in ("state1", "state2"))
     if not (isinstance(state1, torch.Tensor) and isinstance(state2, torch.Tensor)):
         raise ValueError(f"{where} lacks the tensors 'state1' and 'state2' of a bitsandbytes Adam entry. {_FIX}")
@@ -82,7 +113,7 @@ def read_entry(where: str, entry: Mapping, shape: torch.Size) -> BnbMoments:
         raise ValueError(
             f"{where} holds {sorted(map(str, held))}: bitsandbytes' "
             f"{'8-bit' if quantized else '32-bit'} Adam state is {sorted(want)} (bitsandbytes "
-            f"keeps more, such as 'unorm_vec' for max_unorm > 0, for updates CompactAdamW does "
+            f"keeps more, such as 'unorm_vec' for max_unorm > 0, for updates this optimizer does "
             f"not make). {_FIX}"
         )
     dtype = torch.uint8 if quantized else torch.float32
@@ -90,30 +121,32 @@ def read_entry(where: str, entry: Mapping, shape: torch.Size) -> BnbMoments:
         _check(where, key, tensors[key], dtype, tuple(shape),
                "'state1' and 'state2' as uint8 codes in an 8-bit entry (one with maps and block "
                "scales), as fp32 in a 32-bit one")
+    out = {k: tensors[k].detach().to("cpu", copy=True).contiguous() for k in ("state1", "state2")}
     if not quantized:
-        m, v = (_finite(where, k, tensors[k].detach().to("cpu", torch.float32))
-                for k in ("state1", "state2"))
-        if bool((v < 0).any()):
+        for key in ("state1", "state2"):
+            _finite(where, key, out[key])
+        if bool((out["state2"] < 0).any()):
             raise ValueError(f"{where} ('state2') holds negative values; a second moment cannot. {_FIX}")
-        return BnbMoments(step, m.clone(), v.clone(), quantized=False)
-    n = math.prod(shape)
-    moments = []
+        return BnbState(step, out, quantized=False)
+    n, blocks = math.prod(shape), set()
     for k, signed in ((1, True), (2, False)):
-        qmap = _qmap(where, f"qmap{k}", tensors[f"qmap{k}"], signed)
+        out[f"qmap{k}"] = _qmap(where, f"qmap{k}", tensors[f"qmap{k}"], signed).clone()
         absmax = tensors[f"absmax{k}"]
         block = next((b for b in _BLOCKS if isinstance(absmax, torch.Tensor) and absmax.dim() == 1
                       and absmax.numel() == -(-n // b)), None)
         _check(where, f"absmax{k}", absmax, torch.float32,
                tuple(absmax.shape) if block else (-(-n // 256),), "one fp32 scale per block of 256")
-        absmax = _finite(where, f"absmax{k}", absmax.detach().to("cpu"))
+        absmax = out[f"absmax{k}"] = _finite(where, f"absmax{k}", absmax.detach().to("cpu", copy=True))
         if bool((absmax < 0).any()):
             raise ValueError(f"{where} ('absmax{k}') holds negative block scales. {_FIX}")
-        codes = tensors[f"state{k}"].detach().to("cpu").reshape(-1).long()
-        moments.append((qmap[codes] * absmax.repeat_interleave(block)[:n]).reshape(shape))
-    return BnbMoments(step, moments[0], moments[1], quantized=True)
+        blocks.add(block)
+    if len(blocks) != 1:
+        raise ValueError(f"{where} has block scales of two block sizes ({sorted(blocks)} elements): "
+                         f"bitsandbytes uses one. {_FIX}")
+    return BnbState(step, out, quantized=True, block=blocks.pop())
 
 
-def _step(where: str, value) -> int:
+def read_step(where: str, value) -> int:
     """bitsandbytes counts steps in a Python int; a one-element tensor is taken too."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.layout == torch.strided \
             and not value.is_meta and not value.is_complex() and value.dtype != torch.bool:

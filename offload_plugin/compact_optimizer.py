@@ -31,7 +31,6 @@ anything, and refuses settings this update cannot honour (amsgrad, maximize, Ada
 
 from __future__ import annotations
 
-import collections
 import math
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -44,7 +43,7 @@ try:  # (weight_digest's fast path on the host)
 except ImportError:  # pragma: no cover
     np = None
 
-from offload_plugin import adamw, bnb_state, compact_adam, host_update
+from offload_plugin import adamw, bnb_state, compact_adam, host_update, loading
 from offload_plugin.inner import InnerOptimizer
 from offload_plugin.weight_sync import WeightTracker, version
 
@@ -320,64 +319,8 @@ class CompactAdamW(Optimizer, InnerOptimizer):
                 or entry is malformed or asks for what this update does not do; the message
                 says which and what to do.
         """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError("load_state_dict expects an optimizer state dict (a dict with 'state' "
-                            f"and 'param_groups'), got {type(state_dict).__name__}.")
-        state_dict = dict(state_dict)  # shallow, as torch does: hooks may replace entries
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        groups, state = self._checked_load(state_dict)
-        # Nothing below can fail: all was checked and copied.
-        self.state = collections.defaultdict(dict, state)
-        for group, hyper in zip(self.param_groups, groups):
-            params, names = group["params"], group.get("param_names")
-            group.clear()
-            group.update(hyper, params=params)
-            if names is not None and "param_names" not in hyper:  # as torch keeps them
-                group["param_names"] = names
-        self._loaded_remainders()
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
-
-    def _checked_load(self, state_dict: Mapping) -> tuple[list, dict]:
-        """(each group's new settings, the new state by parameter), from ``state_dict``
-        checked and converted into new tensors; reads this optimizer only."""
-        saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
-        if not (isinstance(saved_state, Mapping) and isinstance(saved_groups, (list, tuple)) and all(
-                isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple)) for g in saved_groups)):
-            raise ValueError("not an optimizer state dict: it needs a dict 'state' and a list "
-                             "'param_groups' of dicts, each with a 'params' list (torch's layout).")
-        if len(saved_groups) != len(self.param_groups) or any(
-                len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)):
-            raise ValueError(
-                f"the state dict has {[len(s['params']) for s in saved_groups]} parameters per group, "
-                f"this CompactAdamW {[len(g['params']) for g in self.param_groups]}: build it over "
-                "the same parameter groups as the optimizer that saved it."
-            )
-        where_is = {}  # saved index -> (parameter, group number)
-        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            for index, p in zip(saved["params"], group["params"]):
-                try:
-                    seen = index in where_is
-                except TypeError:
-                    raise ValueError(f"parameter group {i} lists {index!r:.40}, which is not a valid index.") from None
-                if seen:
-                    raise ValueError(f"parameter index {index!r} appears more than once in the state dict's groups.")
-                where_is[index] = (p, i)
-        groups = [self._group_to_load(i, saved, group)
-                  for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups))]
-        state = {}
-        for index, entry in saved_state.items():
-            if index not in where_is:
-                raise ValueError(f"the state dict has state for {index!r:.40}, which its groups do not list.")
-            p, i = where_is[index]
-            if not isinstance(entry, Mapping):
-                raise ValueError(f"state entry {index!r} is a {type(entry).__name__}, not a dict of per-parameter state.")
-            if entry:  # (an empty one: not stepped yet)
-                state[p] = self.check_state_entry(f"state entry {index!r}", entry, p, groups[i])
-        return groups, state
+        loading.load_checked(self, state_dict, self._group_to_load, self.check_state_entry,
+                             before_post_hooks=self._loaded_remainders)
 
     def _group_to_load(self, i: int, saved: Mapping, current: dict) -> dict:
         """Group ``i`` of a state dict as this optimizer takes it in place of ``current``:

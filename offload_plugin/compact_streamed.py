@@ -41,7 +41,7 @@ from offload_plugin.compact_optimizer import fp32_update
 from offload_plugin.host_buffers import HostSlot, _huge_page_block, _pin
 from offload_plugin.state_formats import StateFormat
 
-__all__ = ["POOL", "CompactUnit", "HostState", "Coefficients", "stage_layout", "CompactFormat",
+__all__ = ["POOL", "CompactUnit", "HostState", "Coefficients", "stage_layout", "device_refusal", "CompactFormat",
            "FORMAT"]
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ POOL = "compact"  # the staging ring's pool for compact units (see stage_layout)
 _BYTE_ALIGN = 64
 
 
-def _device_refusal(device: torch.device, on_cpu: bool) -> Optional[str]:
+def device_refusal(device: torch.device, on_cpu: bool) -> Optional[str]:
     if device.type == "cpu" and on_cpu:
         return None  # (tests: the native CPU kernel on the host state in place)
     if device.type != "cuda":
@@ -234,7 +234,7 @@ class CompactFormat(StateFormat):
     def refuses(self, params, settings: dict, on_cpu: bool) -> Optional[str]:
         if not all(p.dtype == torch.bfloat16 for p in params):
             return "CompactAdamW updates bf16 parameters"
-        return _device_refusal(params[0].device, on_cpu)
+        return device_refusal(params[0].device, on_cpu)
 
     def state_bytes(self, param: torch.Tensor) -> int:
         return 4  # (remainder 2, codes 1 + 1, the block scales 8 per 256)

@@ -1,0 +1,480 @@
+"""``AdamW8bit``: bitsandbytes' AdamW8bit on bf16 weights, with its state in host memory.
+
+torchtune's stock single-device full fine-tuning configs use bitsandbytes'
+``PagedAdamW8bit``: AdamW with block-wise 8-bit moments (Dettmers et al., "8-bit Optimizers
+via Block-wise Quantization", 2022), 2 bytes of state per parameter, on the GPU. This class
+is that update as an ordinary ``torch.optim.Optimizer`` for ``CPUOffloadOptimizer``::
+
+    CPUOffloadOptimizer(model.parameters(), optimizer_cls="offload_plugin.AdamW8bit", lr=2e-5)
+
+or, in a torchtune config, ``optimizer.optimizer_cls=offload_plugin.AdamW8bit``. On a GPU the
+offload optimizer keeps the state in host memory and streams it through the GPU each step,
+where ``adamw8bit_gpu``'s kernel updates it next to the weights (``adamw8bit_streamed``): 2
+bytes per parameter cross the bus each way, half of what exact AdamW's bf16 moments need.
+Without a GPU it updates bf16 host copies with :meth:`AdamW8bit.step`.
+
+The update is bitsandbytes 0.50's own, as its CPU backend computes it (the one backend whose
+arithmetic is fully specified: its CUDA kernel is built with fast math and decays the
+weight after the update), operation for operation: the moments dequantized (a code's value
+in the map times its block's absmax), updated with the same fused multiply-adds, the weight
+decayed and stepped in fp32 and rounded to bf16, and the moments quantized again by
+bitsandbytes' 65,536-bin lookup table (:func:`quantize_`). From the same weights, gradients
+and state, the weights, codes and scales are bitsandbytes' bit for bit
+(tests/test_adamw8bit.py). Parameters under ``min_8bit_size`` elements (4096) keep fp32
+moments and take bitsandbytes' 32-bit update, as there.
+
+The state is bitsandbytes' too. Each entry holds ``step`` (a 0-d fp32 tensor, as torch's
+optimizers count), ``state1`` and ``state2`` (uint8 codes of the signed and unsigned
+dynamic maps, shaped like the parameter; fp32 moments for small parameters) and
+``absmax1``/``absmax2`` (fp32, one per 256 elements). :meth:`state_dict` is bitsandbytes'
+layout (its maps, a Python-int ``step``, the tensors under ``__bnb_optimizer_quant_state__``), so
+bitsandbytes' ``AdamW8bit`` and ``PagedAdamW8bit`` continue a run of this class and this
+class continues theirs; loading checks every field first and changes nothing if one is
+wrong. It is not exact AdamW: the moments are quantized and the weight is rounded to bf16 at
+every step, as with bitsandbytes on bf16 weights (the trade-off: docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim import Optimizer
+
+from offload_plugin import bnb_state, host_update, loading
+from offload_plugin.inner import InnerOptimizer
+
+__all__ = ["AdamW8bit", "BLOCK", "MIN_8BIT_SIZE", "dynamic_map", "quantize_", "dequantize",
+           "coefficients", "update_8bit_", "update_32bit_"]
+
+BLOCK = 256  # elements per absmax (bitsandbytes' block-wise optimizers since 0.43)
+MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 moments
+_LUT_SIZE = 65536
+_CHUNK = 1 << 16  # elements per pass of the host update (whole blocks; its temporaries stay in cache)
+_FIX = "Load the checkpoint as it was saved, or start this optimizer's state fresh (del optimizer.state[p])."
+
+
+# --- the maps and the quantizer ----------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def dynamic_map(signed: bool) -> torch.Tensor:
+    """bitsandbytes' dynamic map (``create_dynamic_map``, 8 bits, 7 exponent bits), in its fp32
+    arithmetic: for each decade 10**-6 .. 10**0, the centres of equal bins of [0.1, 1] (2**e
+    bins, twice as many unsigned, which spends the sign bit on the fraction), scaled by the
+    decade in fp32; with 0 and 1.0, sorted. Signed maps hold each value negated too."""
+    values = [0.0, 1.0]
+    for e in range(7):
+        bins = 2 ** e if signed else 2 ** (e + 1)
+        edges = torch.linspace(0.1, 1.0, bins + 1, dtype=torch.float32)
+        centres = (edges[:-1] + edges[1:]) / 2.0
+        scaled = centres * float(10 ** (e - 6))  # (the decade rounded to fp32, as a scalar)
+        values += scaled.tolist()
+        if signed:
+            values += (centres * -float(10 ** (e - 6))).tolist()
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def _lut(signed: bool) -> torch.Tensor:
+    """bitsandbytes' CPU quantizer's table: [-1, 1] cut into 65,536 points, each holding the
+    code of the first map value past the midpoints below it (uint8 [65536])."""
+    values = dynamic_map(signed)
+    mids = (values[:-1] + values[1:]) * 0.5
+    points = torch.arange(_LUT_SIZE, dtype=torch.float32) * 2.0 / float(_LUT_SIZE - 1) - 1.0
+    return torch.searchsorted(mids, points, side="left").to(torch.uint8)
+
+
+def quantize_(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: torch.Tensor) -> None:
+    """Quantize flat fp32 ``values`` (a whole number of blocks, or a parameter's last
+    elements) into ``codes`` (uint8) and ``absmax`` (fp32, one per block), as bitsandbytes'
+    CPU backend does: each block's largest magnitude, then each value times its reciprocal,
+    clamped to [-1, 1], to the nearest of the table's 65,536 points, and that point's code.
+    A block of zeros has absmax 0 and codes 0."""
+    n = values.numel()
+    blocks = -(-n // BLOCK)
+    padded = values if n == blocks * BLOCK else torch.nn.functional.pad(values, (0, blocks * BLOCK - n))
+    padded = padded.view(blocks, BLOCK)
+    top = padded.abs().amax(dim=1)
+    inverse = torch.where(top == 0, 0.0, 1.0 / top)  # (a zero block: codes 0 below, no NaN here)
+    scaled = (padded * inverse.unsqueeze(1)).clamp_(-1.0, 1.0)
+    index = scaled.add_(1.0).mul_(0.5).mul_(float(_LUT_SIZE - 1)).add_(0.5).to(torch.int64)
+    out = _lut(signed)[index.clamp_(0, _LUT_SIZE - 1)]  # (clamped: a NaN would index anywhere)
+    out[top == 0] = 0
+    codes.copy_(out.view(-1)[:n])
+    absmax.copy_(top)
+
+
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:
+    """fp32 values of flat ``codes``: their map value times their block's absmax."""
+    n = codes.numel()
+    return dynamic_map(signed)[codes.long()] * absmax.reshape(-1).repeat_interleave(BLOCK)[:n]
+
+
+# --- the update --------------------------------------------------------------------------------
+
+def _f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def coefficients(group: Mapping, step: int, grad_scale: Optional[float] = None) -> tuple:
+    """The update's scalars for step number ``step`` (counted from 1), each rounded to fp32
+    where bitsandbytes' kernel takes it (derived in double first, as it derives them):
+    (beta1, 1 - beta1, beta2, 1 - beta2, sqrt(1 - beta2**step), eps, 1 - lr * weight_decay,
+    -lr / (1 - beta1**step), the 32-bit update's step size -lr * sqrt(..) / (1 - beta1**step),
+    eps * sqrt(..), the gradient scale (1.0: none)). The host update and the GPU kernel
+    take the same row."""
+    lr, (beta1, beta2), eps, decay = (float(group["lr"]), tuple(map(float, group["betas"])),
+                                      float(group["eps"]), float(group["weight_decay"]))
+    correction1 = 1.0 - beta1 ** step
+    correction2 = math.sqrt(1.0 - beta2 ** step)
+    return tuple(map(_f32, (beta1, 1.0 - beta1, beta2, 1.0 - beta2, correction2, eps,
+                            1.0 - lr * decay if decay > 0.0 else 1.0, -lr / correction1,
+                            -lr * correction2 / correction1, eps * correction2,
+                            1.0 if grad_scale is None else float(grad_scale))))
+
+
+def _grad(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """The gradient in fp32, scaled as ``grad.mul_(scale)`` would have (rounded to bf16)."""
+    if scale == 1.0:
+        return grad.float()
+    return grad.float().mul_(scale).to(grad.dtype).float()
+
+
+@torch.no_grad()
+def update_8bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, absmax1: torch.Tensor,
+                 state2: torch.Tensor, absmax2: torch.Tensor, coeffs: tuple) -> None:
+    """One step of bitsandbytes' 8-bit AdamW in place, on flat host tensors (bf16 weight and
+    gradient, uint8 codes, fp32 absmax), with torch's CPU kernels in bitsandbytes' order (the
+    moments' multiply-adds are fused there: ``add_(alpha=)`` and ``addcmul_``)."""
+    b1, omb1, b2, omb2, c2, eps, decay, step_size, _, _, scale = coeffs
+    n = weight.numel()
+    for a in range(0, n, _CHUNK):
+        b = min(n, a + _CHUNK)
+        ka, kb = a // BLOCK, -(-b // BLOCK)
+        m = dequantize(state1[a:b], absmax1[ka:kb], True)
+        v = dequantize(state2[a:b], absmax2[ka:kb], False)
+        g = _grad(grad[a:b], scale)
+        m.mul_(b1).add_(g, alpha=omb1)
+        v.mul_(b2).addcmul_(g, g, value=omb2)
+        denom = v.sqrt().div_(c2).add_(eps)
+        p = weight[a:b].float()
+        if decay != 1.0:
+            p.mul_(decay)
+        p.addcdiv_(m, denom, value=step_size)
+        weight[a:b].copy_(p)
+        quantize_(m, True, state1[a:b], absmax1[ka:kb])
+        quantize_(v, False, state2[a:b], absmax2[ka:kb])
+
+
+@torch.no_grad()
+def update_32bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
+                  coeffs: tuple) -> None:
+    """bitsandbytes' 32-bit AdamW step in place (parameters under min_8bit_size): fp32 moments."""
+    b1, omb1, b2, omb2, _, _, decay, _, step_size, eps_c2, scale = coeffs
+    g = _grad(grad, scale)
+    state1.mul_(b1).add_(g, alpha=omb1)
+    state2.mul_(b2).addcmul_(g, g, value=omb2)
+    p = weight.float()
+    if decay != 1.0:
+        p.mul_(decay)
+    p.add_(state1 / state2.sqrt().add_(eps_c2), alpha=step_size)
+    weight.copy_(p)
+
+
+# --- the optimizer -----------------------------------------------------------------------------
+
+# bitsandbytes' constructor arguments, with the one value this update follows (None: any).
+_BNB_ARGS = {"amsgrad": False, "optim_bits": 8, "args": None, "percentile_clipping": 100,
+             "block_wise": True, "is_paged": None, "fused": None, "foreach": None}
+# bitsandbytes' group keys for other optimizers of its family, and the value meaning AdamW.
+_BNB_GROUP_KEYS = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}
+
+
+class AdamW8bit(Optimizer, InnerOptimizer):
+    """bitsandbytes' AdamW8bit update on contiguous bf16 CPU tensors (see the module's docstring):
+    the host copies ``CPUOffloadOptimizer`` updates, or, streamed, the state it moves.
+
+    Args:
+        params: bf16 CPU tensors or param groups.
+        lr, betas, eps, weight_decay: as bitsandbytes' AdamW8bit (decoupled decay, 1e-2 by
+            default).
+        min_8bit_size (int): parameters with fewer elements keep fp32 moments. Default 4096.
+        amsgrad, optim_bits, args, percentile_clipping, block_wise, is_paged, fused,
+            foreach: bitsandbytes' and torch's arguments, taken so that configs written for
+            them work; a value asking for another update (amsgrad=True, 32-bit state,
+            percentile clipping, ...) is refused. Paging has nothing to do on the host.
+    """
+
+    # Its contract with CPUOffloadOptimizer (offload_plugin.inner says what each means).
+    bf16_host_only = True
+    state_format = "offload_plugin.adamw8bit_streamed"
+    scales_gradients_in_step = True
+    optional_group_keys = ("min_8bit_size",)  # (bitsandbytes' groups lack it)
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, min_8bit_size: int = MIN_8BIT_SIZE, **bnb_args) -> None:
+        for key, value in bnb_args.items():
+            if key not in _BNB_ARGS:
+                raise TypeError(f"AdamW8bit got an unexpected keyword argument {key!r}")
+            if _BNB_ARGS[key] is not None and value != _BNB_ARGS[key]:
+                raise ValueError(f"AdamW8bit makes bitsandbytes' AdamW8bit update, which has {key}="
+                                 f"{_BNB_ARGS[key]!r}; got {key}={value!r:.40}. Leave it out.")
+        for name, value in (("learning rate", lr), ("epsilon value", eps), ("weight_decay value", weight_decay)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"Invalid {name}: {value!r:.40} (a finite number >= 0)")
+        if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"Invalid beta parameters: {betas!r:.60}")
+        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size must be a whole number >= 0; got {min_8bit_size!r:.40}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      min_8bit_size=min_8bit_size))
+        self._full_shapes: dict = {}  # one rank's rows of a sharded parameter -> its full shape
+
+    def __getstate__(self) -> dict:
+        return dict(super().__getstate__(), _full_shapes=self._full_shapes)
+
+    def __setstate__(self, state: dict) -> None:
+        full_shapes = state.pop("_full_shapes", {})
+        super().__setstate__(state)
+        self._full_shapes = dict(full_shapes)
+
+    # -- layout
+    def shard_of(self, p: torch.Tensor, full_shape) -> None:
+        """``p`` is this rank's rows (FSDP2) of a parameter of ``full_shape``: 8-bit only if
+        the full parameter has at least ``min_8bit_size`` elements in rows of whole blocks
+        (its block scales are then kept per row, ``(rows, blocks per row)``, and shard by
+        rows), else fp32 moments, so that every rank and a resharded checkpoint agree."""
+        self._full_shapes[p] = torch.Size(full_shape)
+
+    def _is_8bit_when_new(self, p: torch.Tensor, group: dict) -> bool:
+        floor = group.get("min_8bit_size", MIN_8BIT_SIZE)
+        full = self._full_shapes.get(p)
+        if full is None:
+            return p.numel() >= floor
+        return len(full) >= 2 and math.prod(full) >= floor and math.prod(full[1:]) % BLOCK == 0
+
+    def _scale_shape(self, p: torch.Tensor) -> tuple:
+        full = self._full_shapes.get(p)
+        if full is None:
+            return (-(-p.numel() // BLOCK),)
+        return (p.shape[0], math.prod(full[1:]) // BLOCK)
+
+    def init_state(self, p: torch.Tensor, group: dict, empty: Callable = torch.empty) -> dict:
+        """``p``'s state entry, made (zeros) if it has none, in tensors from
+        ``empty(shape, dtype=...)`` (the streamed update makes them in page-locked memory)."""
+        entry = self.state[p]
+        if entry:
+            return entry
+        entry["step"] = torch.zeros((), dtype=torch.float32)
+        if self._is_8bit_when_new(p, group):
+            scales = self._scale_shape(p)
+            entry.update(state1=empty(p.shape, dtype=torch.uint8).zero_(),
+                         state2=empty(p.shape, dtype=torch.uint8).zero_(),
+                         absmax1=empty(scales, dtype=torch.float32).zero_(),
+                         absmax2=empty(scales, dtype=torch.float32).zero_())
+        else:
+            entry.update(state1=empty(p.shape, dtype=torch.float32).zero_(),
+                         state2=empty(p.shape, dtype=torch.float32).zero_())
+        return entry
+
+    # -- the step
+    @torch.no_grad()
+    def step(self, closure=None, *, grad_scale: Optional[float] = None) -> Optional[Any]:
+        """One step. ``grad_scale``: each gradient times it first, with the bits of
+        ``p.grad.mul_(grad_scale)`` before the step, inside the update's pass."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        # Everything is checked before any parameter is updated: a refused step changes nothing.
+        for index, group in enumerate(self.param_groups):
+            host_update.check_hyperparameters(index, group)
+            for p in group["params"]:
+                if p.grad is not None:
+                    _check_tensor(p, "parameter")
+                    _check_tensor(p.grad, "gradient")
+                    if self.state.get(p):
+                        _check_live_entry(p, self.state[p])
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                entry = self.init_state(p, group)
+                entry["step"] += 1
+                coeffs = coefficients(group, int(entry["step"]), grad_scale)
+                w, g = p.view(-1), p.grad.view(-1)
+                if entry["state1"].dtype == torch.uint8:
+                    update_8bit_(w, g, entry["state1"].view(-1), entry["absmax1"].view(-1),
+                                 entry["state2"].view(-1), entry["absmax2"].view(-1), coeffs)
+                else:
+                    update_32bit_(w, g, entry["state1"].view(-1), entry["state2"].view(-1), coeffs)
+        return loss
+
+    # -- checkpoints
+    def state_dict(self) -> dict:
+        """bitsandbytes' layout: each entry ``{"step": int, "__bnb_optimizer_quant_state__":
+        {state1, state2[, qmap1, qmap2, absmax1, absmax2]}}``."""
+        sd = super().state_dict()
+        params = [p for group in self.param_groups for p in group["params"]]
+        sd["state"] = {index: self.saved_entry(params[index], entry, params[index])
+                       for index, entry in sd["state"].items()}
+        return sd
+
+    def saved_entry(self, p: torch.Tensor, entry: dict, weight: torch.Tensor) -> dict:
+        """``p``'s entry in bitsandbytes' layout (a new dict). A shard's stays flat and
+        without maps, each tensor shaped by the parameter's rows, as a sharded checkpoint
+        needs (bitsandbytes cannot read those anyway)."""
+        tensors = {k: v for k, v in entry.items() if k != "step"}
+        if p in self._full_shapes:
+            return dict(tensors, step=entry["step"].clone())
+        if tensors.get("state1") is not None and tensors["state1"].dtype == torch.uint8:
+            tensors.update(qmap1=dynamic_map(True), qmap2=dynamic_map(False))
+        return {"step": int(entry["step"]), bnb_state.WRAPPED: tensors}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """bitsandbytes' AdamW8bit/PagedAdamW8bit state dicts and this class's own (the same
+        layout), everything checked before anything changes (see check_state_entry).
+
+        Raises:
+            TypeError: ``state_dict`` is not a dict.
+            ValueError: it does not match this optimizer's groups and parameters, or a group
+                or entry is malformed or asks for another update; the message says which.
+        """
+        loading.load_checked(self, state_dict, self._group_to_load, self.check_state_entry)
+
+    def _group_to_load(self, i: int, saved: Mapping, current: dict) -> dict:
+        """Group ``i`` as this optimizer takes it: bitsandbytes' keys of other updates must
+        mean AdamW (and go), its own settings are checked by the constructor and finite."""
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        for key, want in {**_BNB_GROUP_KEYS, **{k: v for k, v in _BNB_ARGS.items() if v is not None}}.items():
+            if key in hyper:
+                value = hyper.pop(key)
+                if not _means(value, want):
+                    raise ValueError(
+                        f"parameter group {i} of the state dict has {key}={value!r:.40}, which bitsandbytes' "
+                        f"AdamW8bit does not do ({'AdEMAMix' if key in _BNB_GROUP_KEYS else key}): load it "
+                        "into the optimizer that wrote it. Nothing was loaded.")
+        for key in ("fused", "foreach", "is_paged"):
+            hyper.pop(key, None)
+        for key in self.optional_group_keys:
+            hyper.setdefault(key, current[key])
+        missing = sorted(set(self.defaults) - hyper.keys())
+        if missing:
+            raise ValueError(
+                f"parameter group {i} of the state dict lacks {missing}, which AdamW8bit needs (it has "
+                f"{sorted(map(str, hyper))}): it was written by another optimizer class. {_FIX}")
+        try:
+            own = type(self)([torch.zeros(1, dtype=torch.bfloat16)], **{k: hyper[k] for k in self.defaults}).param_groups[0]
+            host_update.check_hyperparameters(i, own)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"parameter group {i} of the state dict does not work with AdamW8bit: "
+                             f"{type(err).__name__}: {err}") from None
+        hyper.update({k: own[k] for k in self.defaults})
+        return hyper
+
+    def check_state_entry(self, where: str, entry: Mapping, param: torch.Tensor, group: dict) -> dict:
+        """A checkpoint's entry for ``param``, checked and copied into new host tensors: the
+        layout bitsandbytes writes (bnb_state says what each field must be), with its maps,
+        which must be the dynamic maps (other maps would change what every code means), and
+        one absmax per 256 elements; or the live layout (no maps). An 8-bit or a 32-bit entry is taken whatever the
+        parameter's size, as bitsandbytes takes it. A shard's entry is flat, without maps
+        (saved_entry).
+
+        Raises:
+            ValueError: naming ``where`` and the key, saying what is wrong and what to do.
+        """
+        sharded = param in self._full_shapes
+        if sharded:
+            return self._shard_entry(where, entry, param)
+        if bnb_state.WRAPPED not in entry and "absmax1" in entry and not {"qmap1", "qmap2"} & entry.keys():
+            # (this class's live layout, as CPUOffloadOptimizer hands a checked entry on: its maps)
+            entry = dict(entry, qmap1=dynamic_map(True), qmap2=dynamic_map(False))
+        read = bnb_state.read_state(where, entry, param.shape)
+        out = {"step": torch.tensor(float(read.step), dtype=torch.float32)}
+        out.update(state1=read.tensors["state1"], state2=read.tensors["state2"])
+        if not read.quantized:
+            return out
+        if read.block != BLOCK:
+            raise ValueError(f"{where} has one absmax per {read.block} elements; this update keeps one "
+                             f"per {BLOCK}, as bitsandbytes since 0.43 does. {_FIX}")
+        for k, signed in ((1, True), (2, False)):
+            if not torch.equal(read.tensors[f"qmap{k}"].view(torch.int32), dynamic_map(signed).view(torch.int32)):
+                raise ValueError(
+                    f"{where} ('qmap{k}') is not bitsandbytes' {'signed' if signed else 'unsigned'} dynamic "
+                    f"map (create_dynamic_map(signed={signed})): its codes mean other values. {_FIX}")
+            out[f"absmax{k}"] = read.tensors[f"absmax{k}"]
+        return out
+
+    def _shard_entry(self, where: str, entry: Mapping, param: torch.Tensor) -> dict:
+        """A shard's entry as saved_entry writes it: step, state1/state2, and per-row absmax."""
+        eight = self._is_8bit_when_new(param, self.param_groups[0]) and any(
+            isinstance(entry.get(k), torch.Tensor) and entry[k].dtype == torch.uint8 for k in ("state1", "state2"))
+        want = {"state1": (torch.uint8 if eight else torch.float32, tuple(param.shape)),
+                "state2": (torch.uint8 if eight else torch.float32, tuple(param.shape))}
+        if eight:
+            want.update(absmax1=(torch.float32, self._scale_shape(param)),
+                        absmax2=(torch.float32, self._scale_shape(param)))
+        if set(entry) != {"step", *want}:
+            raise ValueError(f"{where} has the keys {sorted(map(str, entry))}; a sharded AdamW8bit entry holds "
+                             f"{sorted(['step', *want])}. {_FIX}")
+        out = {"step": torch.tensor(float(bnb_state.read_step(where, entry["step"])), dtype=torch.float32)}
+        for key, (dtype, shape) in want.items():
+            value = entry[key]
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype or tuple(value.shape) != shape:
+                got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"{where} ({key!r}) is {got}; this shard needs {dtype} {shape}. {_FIX}")
+            out[key] = value.detach().to("cpu", copy=True).contiguous()
+            if dtype == torch.float32:
+                _finite_nonnegative(where, key, out[key], nonnegative=key != "state1")
+        return out
+
+
+def _means(value: Any, want: Any) -> bool:
+    try:
+        return value is None if want is None else bool(value == want)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+
+
+def _finite_nonnegative(where: str, key: str, t: torch.Tensor, nonnegative: bool) -> None:
+    bad = t.numel() - int(torch.isfinite(t).sum())
+    if bad:
+        raise ValueError(f"{where} ({key!r}) holds {bad} inf or NaN value(s). {_FIX}")
+    if nonnegative and bool((t < 0).any()):
+        raise ValueError(f"{where} ({key!r}) holds negative values; it cannot. {_FIX}")
+
+
+def _check_live_entry(p: torch.Tensor, entry: dict) -> None:
+    """``optimizer.state[p]`` as a step needs it (edited by hand, an entry of another shape
+    or dtype would be read past its end or as something else)."""
+    where = f"optimizer.state[p] of a parameter of shape {tuple(p.shape)}"
+    step = entry.get("step")
+    if not (isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()
+            and math.isfinite(float(step)) and float(step) >= 0 and float(step) == int(float(step))):
+        raise ValueError(f"{where}: 'step' is {step!r:.40}; it must be a one-element float tensor holding a "
+                         f"whole count >= 0. {_FIX}")
+    s1 = entry.get("state1")
+    eight = isinstance(s1, torch.Tensor) and s1.dtype == torch.uint8
+    n, blocks = p.numel(), -(-p.numel() // BLOCK)
+    want = {"state1": (torch.uint8, n), "state2": (torch.uint8, n), "absmax1": (torch.float32, blocks),
+            "absmax2": (torch.float32, blocks)} if eight else {"state1": (torch.float32, n), "state2": (torch.float32, n)}
+    for key, (dtype, numel) in want.items():
+        value = entry.get(key)
+        if not (isinstance(value, torch.Tensor) and value.dtype == dtype and value.numel() == numel
+                and value.is_contiguous() and value.device.type == "cpu"):
+            got = (f"a {value.dtype} tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor)
+                   else type(value).__name__)
+            raise ValueError(f"{where}: {key!r} is {got}; AdamW8bit needs a contiguous {dtype} CPU tensor of "
+                             f"{numel} elements there. Put back the full entry, or {_FIX[_FIX.index('start'):]}")
+
+
+def _check_tensor(t: torch.Tensor, what: str) -> None:
+    if t.layout == torch.strided and t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous():
+        return
+    raise ValueError(
+        f"AdamW8bit updates dense, contiguous bf16 CPU tensors; got a {what} of dtype {t.dtype} on "
+        f"{t.device} (layout {t.layout}, contiguous: {t.is_contiguous()}). Nothing was updated. On a GPU, use "
+        "it as CPUOffloadOptimizer's optimizer_cls with bf16 parameters (the default master_weights=False).")

@@ -1,0 +1,376 @@
+"""AdamW8bit (offload_plugin.adamw8bit): bitsandbytes' AdamW8bit update and state layout.
+
+The reference is bitsandbytes 0.50 itself on CPU tensors (its CPU backend): from the same
+weights and gradients, the bf16 weights, the 8-bit codes, the block scales and the 32-bit
+state of small tensors are its bits, used directly and through CPUOffloadOptimizer (the host
+update, and the streamed update's code run on the host, ``streamed._ON_CPU``). Each side's
+state dict continues on the other as the uninterrupted run does. Every malformed field is
+refused with nothing changed. The GPU kernel's bits are checked in the last tests.
+"""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from offload_plugin import AdamW8bit, CPUOffloadOptimizer, adamw8bit, streamed
+from state_snapshot import assert_unchanged, snapshot
+
+WRAPPED = "__bnb_optimizer_quant_state__"
+LR = 1e-2
+SHAPES = [(64, 128), (37, 129), (4099,), (16, 64), (3, 7)]  # 8-bit (with tails) and 32-bit (small)
+
+
+def _bnb():
+    return pytest.importorskip("bitsandbytes")
+
+
+def _params(seed=0):
+    torch.manual_seed(seed)
+    return [torch.randn(s).to(torch.bfloat16) for s in SHAPES]
+
+
+def _grads(step, shapes=SHAPES):
+    """Gradients over six decades, so that blocks hold tiny and large moments together."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return [(torch.randn(s, generator=g) * 10.0 ** torch.randint(-6, 1, s, generator=g).float()).to(torch.bfloat16)
+            for s in shapes]
+
+
+def _step(opt, params, step):
+    for p, g in zip(params, _grads(step)):
+        p.grad = g.clone()
+    opt.step()
+
+
+def _bits(t):
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def _assert_same_state_dicts(a, b):
+    assert a["state"].keys() == b["state"].keys()
+    for index in a["state"]:
+        x, y = a["state"][index], b["state"][index]
+        assert x["step"] == y["step"] and type(x["step"]) is type(y["step"]) is int, index
+        assert x[WRAPPED].keys() == y[WRAPPED].keys(), index
+        for key in x[WRAPPED]:
+            assert torch.equal(_bits(x[WRAPPED][key]), _bits(y[WRAPPED][key])), (index, key)
+
+
+def _assert_same_weights(ps, qs):
+    for i, (p, q) in enumerate(zip(ps, qs)):
+        assert torch.equal(p.detach().view(torch.int16), q.detach().view(torch.int16)), i
+
+
+# ---------------------------------------------------------------------------- the maps and quantizer
+def test_the_maps_are_bitsandbytes_maps():
+    F = _bnb().functional
+    for signed in (True, False):
+        assert torch.equal(adamw8bit.dynamic_map(signed).view(torch.int32),
+                           F.create_dynamic_map(signed=signed).view(torch.int32))
+
+
+def test_quantize_gives_bitsandbytes_codes_at_every_table_boundary():
+    """Values one ulp either side of each of the table's 65,535 decision points, blocks with
+    tails and zeros: codes and scales are bitsandbytes' CPU quantizer's."""
+    F = _bnb().functional
+    k = torch.arange(1, 65535, dtype=torch.float64)
+    y = ((k - 0.5) / 65535 * 2 - 1).float()
+    values = torch.cat([y, torch.nextafter(y, torch.tensor(2.0)), torch.nextafter(y, torch.tensor(-2.0))])
+    blocks = -(-values.numel() // 255)
+    values = torch.nn.functional.pad(values, (0, blocks * 255 - values.numel())).view(blocks, 255)
+    values = torch.cat([values, torch.ones(blocks, 1)], 1).view(-1)
+    values = torch.cat([values, torch.zeros(256), torch.randn(300) * 1e-3])  # (a zero block, a tail)
+    for signed in (True, False):
+        x = values if signed else values.abs()
+        want_codes, want = F.quantize_blockwise(x, code=F.create_dynamic_map(signed=signed), blocksize=256)
+        codes, absmax = torch.empty(x.shape, dtype=torch.uint8), torch.empty(want.absmax.shape)
+        adamw8bit.quantize_(x, signed, codes, absmax)
+        assert torch.equal(codes, want_codes.view(-1)) and torch.equal(absmax, want.absmax)
+
+
+# ---------------------------------------------------------------------------- bitsandbytes' bits
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_the_update_is_bitsandbytes_bit_for_bit(weight_decay):
+    bnb = _bnb()
+    ps, qs = _params(), _params()
+    theirs = bnb.optim.AdamW8bit(ps, lr=LR, weight_decay=weight_decay)
+    ours = AdamW8bit(qs, lr=LR, weight_decay=weight_decay)
+    for step in range(6):
+        _step(theirs, ps, step)
+        _step(ours, qs, step)
+    _assert_same_weights(ps, qs)
+    _assert_same_state_dicts(theirs.state_dict(), ours.state_dict())
+    assert ours.state[qs[0]]["state1"].dtype == torch.uint8 and ours.state[qs[3]]["state1"].dtype == torch.float32
+
+
+def test_a_changed_update_is_caught():
+    """(The comparison above can fail: one ulp more of beta2 changes the bits.)"""
+    bnb = _bnb()
+    ps, qs = _params(), _params()
+    theirs = bnb.optim.AdamW8bit(ps, lr=LR)
+    ours = AdamW8bit(qs, lr=LR, betas=(0.9, float(torch.nextafter(torch.tensor(0.999), torch.tensor(1.0)))))
+    for step in range(3):
+        _step(theirs, ps, step)
+        _step(ours, qs, step)
+    with pytest.raises(AssertionError):
+        _assert_same_weights(ps, qs)
+        _assert_same_state_dicts(theirs.state_dict(), ours.state_dict())
+
+
+def _offloaded(params, **kw):
+    return CPUOffloadOptimizer(params, optimizer_cls="offload_plugin.AdamW8bit", lr=LR, **kw)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_through_the_offload_optimizer_it_is_bitsandbytes(monkeypatch, streaming):
+    """The host update of the host copies, and the streamed update's code run on the host
+    (units of 2048 elements: the large weights in ranges), against bitsandbytes; the state
+    dict is its layout."""
+    bnb = _bnb()
+    monkeypatch.setattr(streamed, "ENABLED", streaming)
+    monkeypatch.setattr(streamed, "_ON_CPU", streaming)
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
+    ps, qs = _params(), [nn.Parameter(p) for p in _params()]
+    theirs = bnb.optim.AdamW8bit(ps, lr=LR)
+    ours = _offloaded(qs)
+    assert ours.engine.streams == streaming
+    for step in range(5):
+        _step(theirs, ps, step)
+        _step(ours, qs, step)
+    ours.finish_step()
+    _assert_same_weights(ps, qs)
+    _assert_same_state_dicts(theirs.state_dict(), ours.state_dict())
+
+
+def test_a_nonfinite_step_is_skipped_by_the_streamed_update_as_by_the_host_update(monkeypatch):
+    results = []
+    for streaming in (False, True):
+        monkeypatch.setattr(streamed, "ENABLED", streaming)
+        monkeypatch.setattr(streamed, "_ON_CPU", streaming)
+        qs = [nn.Parameter(p) for p in _params()]
+        opt = _offloaded(qs)
+        for step in range(4):
+            for p, g in zip(qs, _grads(step)):
+                p.grad = g
+            if step == 2:
+                qs[1].grad[0, 0] = float("inf")
+            opt.step()
+        opt.finish_step()
+        results.append((qs, opt.state_dict()))
+    (host, host_sd), (ours, sd) = results
+    _assert_same_weights(host, ours)
+    _assert_same_state_dicts(host_sd, sd)
+    assert sd["state"][0]["step"] == 3
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _run(make, steps, start=0, params=None):
+    opt = make(params if params is not None else _params())
+    params = [p for g in opt.param_groups for p in g["params"]]  # (the offload optimizer's own)
+    for step in range(start, start + steps):
+        _step(opt, params, step)
+    return params, opt
+
+
+@pytest.mark.parametrize("through", ["direct", "offload"])
+@pytest.mark.parametrize("other", ["AdamW8bit", "PagedAdamW8bit"])
+def test_each_side_continues_the_others_run_exactly(through, other):
+    """Ours continues a bitsandbytes run, and bitsandbytes continues ours, each as the
+    uninterrupted run of the other goes on."""
+    bnb = _bnb()
+    theirs_cls = getattr(bnb.optim, other)
+
+    def ours_cls(ps):
+        return AdamW8bit(ps, lr=LR) if through == "direct" else _offloaded([nn.Parameter(p) for p in ps])
+
+    def weights(opt):
+        return [p for g in opt.param_groups for p in g["params"]]
+
+    with pytest.warns(UserWarning, match="Paged") if other == "PagedAdamW8bit" else _nothing():
+        for first, second in ((theirs_cls, ours_cls), (ours_cls, lambda ps: theirs_cls(ps, lr=LR))):
+            make_first = (lambda ps: theirs_cls(ps, lr=LR)) if first is theirs_cls else first
+            _, whole = _run(make_first, 6)
+            _, half = _run(make_first, 3)
+            resumed_params = [p.detach().clone() for p in weights(half)]
+            resumed = second(resumed_params)
+            resumed.load_state_dict(copy.deepcopy(half.state_dict()))
+            params = weights(resumed)
+            for step in range(3, 6):
+                _step(resumed, params, step)
+            if hasattr(resumed, "finish_step"):
+                resumed.finish_step()
+            _assert_same_weights(weights(whole), params)
+            _assert_same_state_dicts(whole.state_dict(), resumed.state_dict())
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_a_resume_of_our_own_checkpoint_is_exact(monkeypatch):
+    monkeypatch.setattr(streamed, "ENABLED", False)
+    whole_params = [nn.Parameter(p) for p in _params()]
+    _, whole = _run(_offloaded, 6, params=whole_params)
+    half_params = [nn.Parameter(p) for p in _params()]
+    _, half = _run(_offloaded, 3, params=half_params)
+    sd = copy.deepcopy(half.state_dict())
+    again = [nn.Parameter(p.detach().clone()) for p in half_params]
+    resumed = _offloaded(again)
+    resumed.load_state_dict(sd)
+    for step in range(3, 6):
+        _step(resumed, again, step)
+    _assert_same_weights(whole_params, again)
+    _assert_same_state_dicts(whole.state_dict(), resumed.state_dict())
+
+
+def _corruptions():
+    BIG, SMALL = 0, 3
+
+    def quant(i, **changes):
+        return lambda sd: sd["state"][i][WRAPPED].update({k: f(sd["state"][i][WRAPPED]) for k, f in changes.items()})
+
+    def ulp(q):
+        q = q.clone()
+        q[200] = torch.nextafter(q[200], torch.tensor(2.0))
+        return q
+
+    return {
+        "a map one ulp off": (quant(BIG, qmap1=lambda q: ulp(q["qmap1"])), r"'qmap1'\) is not bitsandbytes' signed dynamic map"),
+        "2048-element blocks": (quant(BIG, absmax1=lambda q: q["absmax1"][:4], absmax2=lambda q: q["absmax2"][:4]),
+                                "one absmax per 2048 elements"),
+        "block sizes mixed": (quant(BIG, absmax1=lambda q: q["absmax1"][:4]), "two block sizes"),
+        "NaN absmax": (quant(BIG, absmax2=lambda q: q["absmax2"] * float("nan")), r"'absmax2'\) holds 32 inf or NaN"),
+        "transposed codes": (quant(BIG, state1=lambda q: q["state1"].t().contiguous()), r"'state1'\) has shape \(128, 64\)"),
+        "negative 32-bit second moment": (quant(SMALL, state2=lambda q: -q["state2"] - 1), r"'state2'\) holds negative"),
+        "fp16 small state": (quant(SMALL, state1=lambda q: q["state1"].half()), r"'state1'\) has dtype torch.float16"),
+        "fractional step": (lambda sd: sd["state"][BIG].update(step=2.5), r"'step'\) is 2.5"),
+        "unwrapped with an extra key": (lambda sd: sd["state"][BIG].update(extra=1), "has the keys"),
+        "AdEMAMix group": (lambda sd: sd["param_groups"][0].update(alpha=5.0), "alpha=5.0.*AdEMAMix"),
+        "amsgrad group": (lambda sd: sd["param_groups"][0].update(amsgrad=True), "amsgrad=True"),
+        "an unknown parameter index": (lambda sd: sd["state"].update({99: sd["state"][BIG]}), "99"),
+    }
+
+
+@pytest.mark.parametrize("through", ["direct", "offload"])
+@pytest.mark.parametrize("case", list(_corruptions()))
+def test_a_malformed_checkpoint_is_refused_with_nothing_changed(case, through):
+    corrupt, message = _corruptions()[case]
+    _, saved = _run(lambda ps: AdamW8bit(ps, lr=LR), 2)
+    bad = copy.deepcopy(saved.state_dict())
+    corrupt(bad)
+    params = [nn.Parameter(p) for p in _params(1)]
+    opt = AdamW8bit(params, lr=LR) if through == "direct" else _offloaded(params)
+    _step(opt, params, 0)  # (state to keep)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=message):
+        opt.load_state_dict(bad)
+    assert_unchanged(before, snapshot(opt))
+
+
+# ---------------------------------------------------------------------------- refusals and copies
+@pytest.mark.parametrize("kw, message", [
+    (dict(amsgrad=True), "amsgrad=False"), (dict(optim_bits=32), "optim_bits=8"),
+    (dict(percentile_clipping=5), "percentile_clipping=100"), (dict(block_wise=False), "block_wise=True"),
+    (dict(lr=float("inf")), "learning rate"), (dict(eps=-1.0), "epsilon"), (dict(betas=(0.9, 1.0)), "beta"),
+    (dict(min_8bit_size=-1), "min_8bit_size"), (dict(no_such=1), "unexpected keyword"),
+])
+def test_settings_of_another_update_are_refused(kw, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        AdamW8bit(_params(), **kw)
+
+
+def test_bitsandbytes_config_arguments_that_change_nothing_are_taken():
+    AdamW8bit(_params(), lr=LR, is_paged=True, optim_bits=8, percentile_clipping=100, block_wise=True, fused=True)
+
+
+def test_a_refused_step_changes_nothing():
+    params = _params()
+    opt = AdamW8bit(params, lr=LR)
+    _step(opt, params, 0)
+    before = [p.clone() for p in params], copy.deepcopy(opt.state_dict())
+    for p, g in zip(params, _grads(1)):
+        p.grad = g
+    params[-1].grad = None
+    params[-1].data = params[-1].data.float()  # (the last one: the others would be updated first)
+    params[-1].grad = _grads(1)[-1].float()
+    with pytest.raises(ValueError, match="bf16"):
+        opt.step()
+    _assert_same_weights(before[0][:-1], params[:-1])
+    assert torch.equal(before[0][-1].float(), params[-1])
+    _assert_same_state_dicts(before[1], opt.state_dict())
+
+
+def test_a_hand_edited_entry_is_refused_before_any_update():
+    params = _params()
+    opt = AdamW8bit(params, lr=LR)
+    _step(opt, params, 0)
+    opt.state[params[-1]]["absmax1"] = torch.zeros(1)  # (a 32-bit entry given a scale: fine) ...
+    opt.state[params[0]]["absmax1"] = torch.zeros(3)  # ... but a short scale would be read past its end
+    before = [p.clone() for p in params]
+    with pytest.raises(ValueError, match="'absmax1' is a torch.float32 tensor of shape \\(3,\\)"):
+        _step(opt, params, 1)
+    _assert_same_weights(before, params)
+
+
+@pytest.mark.parametrize("copy_with", [copy.deepcopy, lambda o: pickle.loads(pickle.dumps(o))])
+def test_a_copy_steps_as_the_original(copy_with):
+    params = _params()
+    opt = AdamW8bit(params, lr=LR)
+    _step(opt, params, 0)
+    twin = copy_with(opt)
+    twin_params = [p for g in twin.param_groups for p in g["params"]]
+    for step in (1, 2):
+        _step(opt, params, step)
+        _step(twin, twin_params, step)
+    _assert_same_weights(params, twin_params)
+    _assert_same_state_dicts(opt.state_dict(), twin.state_dict())
+
+
+def test_a_scheduler_drives_it_through_the_offload_optimizer(monkeypatch):
+    monkeypatch.setattr(streamed, "ENABLED", False)
+    params = [nn.Parameter(p) for p in _params()]
+    opt = _offloaded(params)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    for step in range(3):
+        _step(opt, params, step)
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(LR / 8)
+
+
+# ---------------------------------------------------------------------------- on a GPU
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the Triton kernels and the streams")
+
+
+@CUDA
+@pytest.mark.parametrize("min_8bit_size", [4096, 0])
+def test_gpu_streamed_adamw8bit_has_the_host_updates_bits(monkeypatch, min_8bit_size):
+    """The Triton kernels with the state streamed through small staging buffers, against the
+    host update on the same gradients (an inf in one at step 2: skipped): every weight and
+    state byte, the 32-bit kernel too (min_8bit_size=4096)."""
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
+    results = []
+    for device in ("cpu", "cuda"):
+        monkeypatch.setattr(streamed, "_ON_CPU", device == "cpu")
+        params = [nn.Parameter(p.to(device)) for p in _params()]
+        opt = _offloaded(params, min_8bit_size=min_8bit_size)
+        assert opt.engine.streams and opt.engine.format.name == "adamw8bit"
+        for step in range(5):
+            for p, g in zip(params, _grads(step)):
+                p.grad = g.to(device)
+            if step == 2:
+                params[1].grad[0, 0] = float("inf")
+            opt.step()
+            opt.zero_grad()
+        opt.finish_step()
+        results.append(([p.detach().cpu() for p in params], opt.state_dict()))
+    (host, host_sd), (gpu, gpu_sd) = results
+    _assert_same_weights(host, gpu)
+    _assert_same_state_dicts(host_sd, gpu_sd)
+    assert gpu_sd["state"][0]["step"] == 4
