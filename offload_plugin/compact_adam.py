@@ -13,7 +13,12 @@ module keeps instead, per parameter:
 
 An update dequantizes the moments, does AdamW in fp32 exactly as with an fp32 master,
 and stores the new moments as their nearest codes (deterministic: ties to the lower
-code). ``csrc/adam_compact.cpp`` does this in one pass over 14 bytes per parameter; the
+code), but for one floor: a positive second moment under half the smallest positive code
+(times its block's absmax) takes that code, not code 0 (0.0), as 0 would leave the next
+update dividing a nonzero first moment by eps alone and moving the weight by thousands of
+lr; zero keeps code 0. bitsandbytes' CUDA kernel has no such floor (it rounds to nearest;
+its CPU backend's lookup table happens never to give a positive value code 0).
+``csrc/adam_compact.cpp`` does this in one pass over 14 bytes per parameter; the
 pure-torch :func:`reference_step` does the same IEEE operations in the same order and is
 used where no compiler is available, and by the tests, which require the two to agree bit
 for bit. The kernel is also checked against it on first use, as native_adam checks its own.
@@ -208,7 +213,8 @@ def _map(signed: bool) -> _Map:
 def quantize(x: torch.Tensor, signed: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """Block-wise codes (uint8) and absmax (fp32, one per 256 values) of a flat fp32 ``x``:
     each block is multiplied by 1 / its absmax (0 when that is 0 or subnormal: such a
-    block is stored as zeros) and each value stored as its nearest code."""
+    block is stored as zeros) and each value stored as its nearest code, except that in
+    the unsigned map a positive value never takes code 0 (0.0) but code 1."""
     m = _map(signed)
     n = x.numel()
     blocks = -(-n // BLOCK)
@@ -220,8 +226,10 @@ def quantize(x: torch.Tensor, signed: bool) -> Tuple[torch.Tensor, torch.Tensor]
     absmax = torch.where(zero, torch.zeros_like(absmax), absmax)
     inv = torch.where(zero, torch.zeros_like(absmax), torch.ones_like(absmax) / absmax)
     y = (padded.view(blocks, BLOCK) * inv[:, None]).reshape(-1)[:n]
-    codes = torch.searchsorted(m.mids, y).to(torch.uint8)
-    return codes, absmax
+    codes = torch.searchsorted(m.mids, y)
+    if not signed:  # a positive second moment takes at least code 1 (see the module docstring)
+        codes = torch.where((codes == 0) & (y > 0), torch.ones_like(codes), codes)
+    return codes.to(torch.uint8), absmax
 
 
 def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch.Tensor:

@@ -49,10 +49,14 @@ def _quantize(y, table, k0, nb, SIGNED: tl.constexpr):
         e = tl.load(table + key + tl.where(neg, nb, 0)).to(tl.uint32, bitcast=True)
         mid = e & 0xFFFF
         up = tl.where(neg, low < mid, low > mid)
+        code = (e >> 16) + up.to(tl.uint32)
     else:
         e = tl.load(table + key).to(tl.uint32, bitcast=True)
-        up = low > (e & 0xFFFF)
-    return ((e >> 16) + up.to(tl.uint32)).to(tl.uint8)
+        code = (e >> 16) + (low > (e & 0xFFFF)).to(tl.uint32)
+        # A positive y (its bits positive as int32) takes at least code 1, never 0.0, as
+        # the CPU kernel's unsigned quantize(); 0 keeps code 0.
+        code = tl.maximum(code, (u.to(tl.int32, bitcast=True) > 0).to(tl.uint32))
+    return code.to(tl.uint8)
 
 
 @triton.jit

@@ -100,10 +100,16 @@ def _probe_values(signed):
 @pytest.mark.parametrize("vector", [True, False], ids=["avx512-or-portable", "portable"])
 def test_kernel_quantizer_is_nearest_code(signed, vector):
     """The kernel's table lookup gives searchsorted's code (number of midpoints below y)
-    everywhere, ties included, in both of its code paths."""
+    everywhere, ties included, in both of its code paths; in the unsigned map, code 1
+    where that is 0 but y > 0 (a positive second moment never quantizes to 0.0)."""
     y = _probe_values(signed)
     got = _kernel().quantize_normalized(y, signed, vector)
-    want = torch.searchsorted(ca._map(signed).mids, y).to(torch.uint8)
+    want = torch.searchsorted(ca._map(signed).mids, y)
+    if not signed:
+        floored = (want == 0) & (y > 0)
+        assert floored.sum() > 100  # tiny values, subnormals and bucket edges below the first midpoint
+        want = torch.where(floored, torch.ones_like(want), want)
+    want = want.to(torch.uint8)
     bad = (got != want).nonzero().flatten()
     assert bad.numel() == 0, f"y={y[bad[:5]].tolist()}: {got[bad[:5]].tolist()} != {want[bad[:5]].tolist()}"
 
@@ -468,3 +474,56 @@ def test_training_quality_matches_exact_adamw_and_bitsandbytes():
             distance[v] += s[v]["curve_distance"]
     if "bnb" in distance:
         assert distance["compact"] <= 1.1 * distance["bnb"], distance
+
+
+# --- a positive second moment never quantizes to 0 -----------------------------------------
+
+@pytest.mark.parametrize("native", [True, False])
+def test_tiny_positive_second_moment_keeps_the_step_bounded(native):
+    """An element whose second moment is positive but under half the unsigned map's smallest
+    positive value times its block's absmax, with a nonzero first moment: rounded to code 0
+    (0.0), the next step would divide its first moment by eps alone and move the weight by
+    thousands of lr. Both blocks (a whole one: the AVX-512 path where built; a partial one:
+    the portable loop) step as AdamW does: by at most lr, as fp32 AdamW's own step here."""
+    if native and ca.kernel() is None:
+        pytest.skip("no native kernel")
+    n, lr, tiny = 256 + 40, 1e-3, [5, 256 + 5]
+    smallest = ca.dynamic_map(False)[1].item()
+    master = torch.full((n,), 0.027)
+    g1 = torch.full((n,), 1e-2)
+    g1[0] = g1[256] = 1.0           # each block's absmax: v = 1e-3
+    g1[tiny] = 1e-4                 # v = 1e-11: 1e-8 of the absmax, under smallest / 2
+    assert 1e-8 < smallest / 2
+    s = ca.from_adamw(master.to(torch.bfloat16), torch.zeros(n), torch.zeros(n), master=master)
+    p = torch.nn.Parameter(master.clone())
+    opt = torch.optim.AdamW([p], lr=lr, weight_decay=0.0, foreach=False)
+    for g in (g1, torch.zeros(n)):  # the second step reads the moments the first stored
+        before = s.master().clone()
+        ca.step_(s, g.to(torch.bfloat16), lr=lr, weight_decay=0.0, native=native)
+        p.grad = g.to(torch.bfloat16).float()
+        opt.step()
+    step = (s.master() - before).abs()
+    assert step.max() <= lr, f"weights moved by {step[tiny].tolist()} (lr {lr})"
+    assert (s.master() - p.detach()).abs().max() <= 2 * lr
+    _, v = s.moments()
+    assert bool((v[tiny] > 0).all()), f"second moments {v[tiny].tolist()} came back as 0"
+
+
+@pytest.mark.parametrize("vector", [None, True, False], ids=["reference", "avx512-or-portable", "portable"])
+def test_positive_second_moment_takes_the_smallest_positive_code(vector):
+    """In the unsigned map, tiny positive values (down to the smallest subnormal, and the
+    first midpoint, a tie, with its neighbours) take code 1, zero keeps code 0, other
+    values their nearest codes; the signed map has no floor (its zero is code 127)."""
+    m = ca._map(False)
+    mid0 = m.mids[0].view(torch.int32).item()
+    y = torch.cat([torch.tensor([1.0, 0.5, 1e-8, 1e-30, 1e-45, 0.0]),
+                   ca._from_bits(torch.tensor([mid0 - 1, mid0, mid0 + 1]))]).repeat(4)  # 16 lanes, and more
+    want = [255, int(torch.searchsorted(m.mids, torch.tensor(0.5))), 1, 1, 1, 0, 1, 1, 1] * 4
+    if vector is None:
+        got = ca.quantize(y, signed=False)[0]  # the block's absmax is 1.0: y as it is
+    else:
+        if ca.kernel() is None:
+            pytest.skip("no native kernel")
+        got = ca.kernel().quantize_normalized(y, False, vector)
+    assert got.tolist() == want
+    assert ca.quantize(torch.tensor([1.0, 1e-9, -1e-9, 0.0]), signed=True)[0].tolist()[1:] == [127] * 3

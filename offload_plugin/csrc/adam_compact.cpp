@@ -116,8 +116,12 @@ inline uint8_t quantize(float y, const uint32_t* __restrict table, int32_t k0, i
     const uint32_t up = neg ? (low < mid) : (low > mid);
     return static_cast<uint8_t>((e >> 16) + up);
   }
+  // Unsigned (second moments): a positive y takes at least code 1, never 0.0, which would
+  // leave the update dividing by eps alone (compact_adam.quantize). 0 keeps code 0.
   const uint32_t e = table[key];
-  return static_cast<uint8_t>((e >> 16) + (low > (e & 0xffffu)));
+  const uint32_t code = (e >> 16) + (low > (e & 0xffffu));
+  const uint32_t positive = static_cast<int32_t>(u) > 0;
+  return static_cast<uint8_t>(code > positive ? code : positive);
 }
 
 // codes[j] = quantize(x[j] * inv) for j in [0, len): the second half of a block's update.
@@ -257,7 +261,11 @@ inline __m512i quantize16(__m512 y, const uint32_t* base, __m512i k0, __m512i to
     low = _mm512_and_si512(u, _mm512_set1_epi32(0xffff));
   }
   const __m512i e = _mm512_i32gather_epi32(key, base, 4);
-  return _mm512_srli_epi32(_mm512_add_epi32(e, low), 16);
+  const __m512i code = _mm512_srli_epi32(_mm512_add_epi32(e, low), 16);
+  if (kSigned) return code;
+  // quantize()'s floor: where y > 0 (as a signed integer, its bits are), at least code 1.
+  const __mmask16 positive = _mm512_cmpgt_epi32_mask(u, _mm512_setzero_si512());
+  return _mm512_mask_max_epu32(code, positive, code, _mm512_set1_epi32(1));
 }
 
 inline const uint32_t* carry_base(const Map& map) {  // carry_table - k0, as an address
