@@ -109,8 +109,10 @@ class AdamW8bitFormat(StateFormat):
         return host.ensure(inner, slots, [inner.param_groups[g] for g in group_of])
 
     def cut(self, slots: list, entries: list, group_of: list, chunk_numel: int) -> list[Unit]:
-        """One unit per parameter, or per ``chunk_numel`` elements (whole blocks) of a larger
-        8-bit one; empty parameters have none (their counts go on)."""
+        """One unit per parameter, or per range of a larger one: ``chunk_numel`` elements
+        (whole blocks) in 8 bits, a quarter of that in fp32 (8 bytes an element: a staging
+        pair holds 2 bytes per element of ``chunk_numel``). Empty parameters have none (their
+        counts go on)."""
         units = []
         for at, (slot, entry, group) in enumerate(zip(slots, entries, group_of)):
             n = slot.param.numel()
@@ -118,20 +120,20 @@ class AdamW8bitFormat(StateFormat):
             flat = [entry[k].view(-1) for k in (("absmax1", "absmax2", "state1", "state2") if eight
                                                 else ("state1", "state2"))]
             param = slot.param.detach().view(-1)
-            step = chunk_numel if eight else max(n, 1)
+            step = chunk_numel if eight else max(chunk_numel // 4, 1)
             for a in range(0, n, step):
                 b = min(n, a + step)
                 if eight:
                     ka, kb = a // BLOCK, -(-b // BLOCK)
                     host = (flat[0][ka:kb], flat[1][ka:kb], flat[2][a:b], flat[3][a:b])
                 else:
-                    host = tuple(flat)
+                    host = (flat[0][a:b], flat[1][a:b])
                 units.append(Unit(group, slot, a, b, eight, host, param[a:b], at))
         return units
 
     def reserve(self, ring, unit: Unit) -> None:
         need, _ = _stage_need(unit)
-        ring.reserve(POOL, need if unit.eight_bit else 4 * need, layout=stage_layout)
+        ring.reserve(POOL, need if unit.eight_bit else 4 * unit.numel, layout=stage_layout)
 
     def stage_size(self, unit: Unit) -> tuple:
         return (POOL, *_stage_need(unit))

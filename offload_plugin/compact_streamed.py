@@ -246,9 +246,10 @@ class CompactFormat(StateFormat):
         return host.ensure(inner, slots, [inner.param_groups[g] for g in group_of])
 
     def cut(self, slots: list, entries: list, group_of: list, chunk_numel: int) -> list[CompactUnit]:
-        """One unit per parameter, or per ``chunk_numel`` elements of a larger one (a multiple
-        of BLOCK, so that every unit's blocks are whole blocks of the parameter). Empty
-        parameters have none (their counts go on, as CompactAdamW's)."""
+        """One unit per parameter, or per range of a larger one: ``chunk_numel`` elements in
+        the compact layout (a multiple of BLOCK, so that every unit's blocks are whole blocks
+        of the parameter), a quarter of that in the fp32 layout. Empty parameters have none
+        (their counts go on, as CompactAdamW's)."""
         units = []
         for at, (slot, entry, group) in enumerate(zip(slots, entries, group_of)):
             n = slot.param.numel()
@@ -260,11 +261,13 @@ class CompactFormat(StateFormat):
             else:
                 flat += [entry[k].view(-1) for k in ("exp_avg_absmax", "exp_avg_sq_absmax", "exp_avg", "exp_avg_sq")]
             param = slot.param.detach().view(-1)
-            step = n if fp32 else chunk_numel
+            # (fp32 state takes 8 bytes an element where a staging pair holds about 2 per
+            # element of chunk_numel: a quarter as many elements a range)
+            step = max(chunk_numel // 4, 1) if fp32 else chunk_numel
             for a in range(0, n, step):
                 b = min(n, a + step)
                 if fp32:
-                    host = tuple(flat)
+                    host = tuple(None if t is None else t[a:b] for t in flat)
                 else:
                     a_blk, b_blk = a // BLOCK, -(-b // BLOCK)
                     host = (None if flat[0] is None else flat[0][a:b], flat[1][a_blk:b_blk],

@@ -349,11 +349,12 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @CUDA
-@pytest.mark.parametrize("min_8bit_size", [4096, 0])
+@pytest.mark.parametrize("min_8bit_size", [4096, 0, 10**6])
 def test_gpu_streamed_adamw8bit_has_the_host_updates_bits(monkeypatch, min_8bit_size):
     """The Triton kernels with the state streamed through small staging buffers, against the
     host update on the same gradients (an inf in one at step 2: skipped): every weight and
-    state byte, the 32-bit kernel too (min_8bit_size=4096)."""
+    state byte, the 32-bit kernel too (min_8bit_size=4096; 10**6: every tensor in 32 bits,
+    the large ones in ranges a staging pair holds)."""
     monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
     results = []
     for device in ("cpu", "cuda"):

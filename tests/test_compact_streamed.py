@@ -286,7 +286,7 @@ def test_gpu_streamed_compact_has_the_host_updates_bits(monkeypatch, master):
     bits may differ from its CPU kernel's in the last place."""
     monkeypatch.setattr(streamed, "_ON_CPU", True)
     monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
-    for min_8bit_size in (0, 4096):
+    for min_8bit_size in (0, 4096, 10**6):  # (10**6: all fp32, the large ones in ranges)
         kw = dict(master=master, min_8bit_size=min_8bit_size)
         cpu_model, cpu_opt = _stepped_with_given_grads("cpu", 5, monkeypatch, **kw)
         model, opt = _stepped_with_given_grads("cuda", 5, monkeypatch, **kw)
