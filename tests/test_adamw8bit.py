@@ -375,3 +375,53 @@ def test_gpu_streamed_adamw8bit_has_the_host_updates_bits(monkeypatch, min_8bit_
     _assert_same_weights(host, gpu)
     _assert_same_state_dicts(host_sd, gpu_sd)
     assert gpu_sd["state"][0]["step"] == 4
+
+
+# ---------------------------------------------------------------------------- torchtune's stock recipe
+@pytest.mark.slow  # (runs a recipe twice: left out of the quick lane)
+@pytest.mark.parametrize("in_bwd", [True, False], ids=["optimizer_in_bwd", "step-after-backward"])
+def test_torchtune_stock_full_recipe_with_adamw8bit_is_bitsandbytes(tmp_path, in_bwd):
+    """torchtune's own full_finetune_single_device on the bf16 demo model, once with
+    bitsandbytes' AdamW8bit and once with only the optimizer overridden to ours: the same
+    losses and the same final weights, bit for bit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from disk_log import read_log
+
+    _bnb()
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), PYTHONUNBUFFERED="1")
+    subprocess.run([sys.executable, "-m", "offload_plugin.demo", "prepare", "--output-dir", str(tmp_path / "demo")],
+                   env=env, check=True, capture_output=True)
+    settings = {"lr": 2e-3, "weight_decay": 0.01}
+    runs = {}
+    for name, optimizer in {
+        "bitsandbytes": {"_component_": "bitsandbytes.optim.AdamW8bit", **settings},
+        "ours": {"_component_": "offload_plugin.CPUOffloadOptimizer", "optimizer_cls": "offload_plugin.AdamW8bit",
+                 **settings},
+    }.items():
+        cfg = OmegaConf.load(repo / "configs" / "demo" / "tiny_full_offload.yaml")
+        cfg.optimizer = optimizer
+        config, out = tmp_path / f"{name}.yaml", tmp_path / name
+        OmegaConf.save(cfg, config)
+        cmd = [sys.executable, "-m", "torchtune._cli.tune", "run", "full_finetune_single_device",
+               "--config", str(config), f"demo_dir={tmp_path / 'demo'}", f"output_dir={out}", "dtype=bf16",
+               "batch_size=4", "max_steps_per_epoch=8", f"optimizer_in_bwd={in_bwd}", "clip_grad_norm=null",
+               "metric_logger.filename=log.txt"]
+        proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        losses = [m["loss"] for _, m in sorted(read_log(out).items())]
+        (checkpoint,) = [f for f in out.rglob("*") if f.suffix in (".pt", ".bin", ".safetensors")
+                         and "optim" not in f.name and "recipe" not in f.name]
+        runs[name] = losses, torch.load(checkpoint, map_location="cpu", weights_only=True)
+    (their_losses, theirs), (our_losses, ours) = runs["bitsandbytes"], runs["ours"]
+    assert len(our_losses) == 8 and our_losses == their_losses
+    assert sum(our_losses[-3:]) < sum(our_losses[:3])  # (it trains: the weights compared moved)
+    assert theirs.keys() == ours.keys()
+    for key in theirs:
+        assert torch.equal(_bits(theirs[key]), _bits(ours[key])), key
