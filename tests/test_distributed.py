@@ -279,12 +279,13 @@ def test_qlora_two_ranks_offloaded_like_adamw(workdir, tmp_path, device):
     assert one.returncode != 0 and "needs 2 or more ranks" in one.stdout + one.stderr
 
 
-def test_compact_state_on_two_ranks_trains_and_resumes_exactly(workdir, tmp_path):
-    """optimizer_cls=CompactAdamW in our FSDP2 recipe on 2 ranks: it trains, and resuming
-    after epoch 1 from the recipe's own checkpoint (the optimizer state gathered whole, then
-    loaded back onto the shards) repeats the uninterrupted run exactly. The demo model's
-    down projections (rows of 256) are compact, its other tensors exact (rows of 128)."""
-    compact = ["dtype=bf16", "optimizer.optimizer_cls=offload_plugin.CompactAdamW", "optimizer.min_8bit_size=0"]
+@pytest.mark.parametrize("inner, scale_key", [("CompactAdamW", "exp_avg_absmax"), ("AdamW8bit", "absmax1")])
+def test_8bit_state_on_two_ranks_trains_and_resumes_exactly(workdir, tmp_path, inner, scale_key):
+    """optimizer_cls=CompactAdamW or AdamW8bit in our FSDP2 recipe on 2 ranks: it trains, and
+    resuming after epoch 1 from the recipe's own checkpoint (the optimizer state gathered
+    whole, then loaded back onto the shards) repeats the uninterrupted run exactly. The demo
+    model's down projections (rows of 256) are 8-bit, its other tensors fp32 (rows of 128)."""
+    compact = ["dtype=bf16", f"optimizer.optimizer_cls=offload_plugin.{inner}", "optimizer.min_8bit_size=0"]
     optimizer = "offload_plugin.CPUOffloadOptimizer"
     config = "tiny_full_offload_distributed.yaml"
     straight = tmp_path / "straight"
@@ -292,8 +293,8 @@ def test_compact_state_on_two_ranks_trains_and_resumes_exactly(workdir, tmp_path
     logged = read_log(straight)
     assert logged[2 * STEPS]["loss"] < logged[1]["loss"]
     saved = torch.load(straight / "recipe_state" / "recipe_state.pt", map_location="cpu", weights_only=True)
-    layouts = {"exp_avg_absmax" in entry for entry in saved["optimizer"]["state"].values()}
-    assert layouts == {True, False}, "both the compact and the fp32 layout are in the checkpoint"
+    layouts = {scale_key in entry for entry in saved["optimizer"]["state"].values()}
+    assert layouts == {True, False}, "both the 8-bit and the fp32 layout are in the checkpoint"
     out = tmp_path / "resumed"
     shutil.copytree(straight, out, ignore=shutil.ignore_patterns("epoch_1", "logs"))
     _tune_run(RECIPE["full"], config, workdir, out, optimizer, *TWO_RANKS, *FULL_HPARAMS, *compact,
