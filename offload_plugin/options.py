@@ -232,8 +232,8 @@ COMBINATIONS: tuple[Rule, ...] = (
          lambda f: f.accumulate_on_device and not f.offload_gradients,
          "accumulate_on_device=True only applies with offload_gradients=True (without "
          "it, gradients stay on the device anyway)."),
-    # CompactAdamW (bf16_host_only) has no device implementation for the kept share to run.
-    Rule("Options", "`device_fraction` with `CompactAdamW`", REFUSED,
+    # CompactAdamW and AdamW8bit (bf16_host_only) have no device implementation for the kept share.
+    Rule("Options", "`device_fraction` with `CompactAdamW` or `AdamW8bit`", REFUSED,
          lambda f: f.device_fraction and f.host_only,
          "optimizer_cls={cls} updates host tensors only; it "
          "does not combine with device_fraction. Use device_fraction=0."),
@@ -243,14 +243,15 @@ COMBINATIONS: tuple[Rule, ...] = (
          lambda f: f.dtensor_kept,
          "device_fraction is not supported with DTensor (FSDP2) parameters yet; "
          "use device_fraction=0."),
-    # CompactAdamW keeps one fp32 scale per block of a row: a shard must hold whole rows.
-    Rule("check_host_only", "`CompactAdamW` with DTensor parameters sharded other than by rows",
+    # CompactAdamW and AdamW8bit keep one fp32 scale per block of a row: a shard must hold whole rows.
+    Rule("check_host_only", "`CompactAdamW` or `AdamW8bit` with DTensor parameters sharded other than by rows",
          REFUSED, lambda f: f.host_only and f.placements is not None,
-         "a parameter is sharded as {placements}: state kept per row (CompactAdamW's "
+         "a parameter is sharded as {placements}: state kept per row (8-bit state's "
          "block scales) needs parameters sharded along dim 0 only, as FSDP2's fully_shard "
          "shards them."),
-    # CompactAdamW's master is the bf16 weight plus its own 16-bit remainder.
-    Rule("check_host_only", "`CompactAdamW` with parameters not bf16, or `master_weights`",
+    # CompactAdamW's master is the bf16 weight plus its own 16-bit remainder; AdamW8bit is
+    # bitsandbytes' update on the bf16 weight itself.
+    Rule("check_host_only", "`CompactAdamW` or `AdamW8bit` with parameters not bf16, or `master_weights`",
          REFUSED, lambda f: f.host_only and (f.master_weights or set(f.dtypes) - {"torch.bfloat16"}),
          "optimizer_cls={cls} updates bf16 host copies and keeps the master itself: it "
          "needs bf16 parameters (got {dtypes_list}) and master_weights=False (the "
@@ -282,10 +283,10 @@ COMBINATIONS: tuple[Rule, ...] = (
     # A format's kernel may take no scale to divide by (CompactAdamW's: bf16 needs no loss
     # scaling); torch's fused AdamW kernel divides by it.
     Rule("check_amp_scaler", "torch.amp `GradScaler` on the streamed engine with a state format "
-         "whose kernel takes no scale (`CompactAdamW`'s)",
+         "whose kernel takes no scale (`CompactAdamW`'s, `AdamW8bit`'s)",
          REFUSED, lambda f: f.grad_scale is not None and not f.format_takes_scale and f.engine == STREAMED,
-         "CPUOffloadOptimizer: CompactAdamW's streamed update takes no GradScaler scale "
-         "(its parameters are bf16, which needs no loss scaling): leave the GradScaler "
+         "CPUOffloadOptimizer: the streamed update of this optimizer_cls (CompactAdamW, "
+         "AdamW8bit) takes no GradScaler scale (its parameters are bf16, which needs no loss scaling): leave the GradScaler "
          "out, or unscale the gradients with scaler.unscale_(optimizer) first. Nothing "
          "was updated."),
     # The engines: the first row that holds decides. The streamed engine is torch's fused

@@ -126,10 +126,10 @@ def test_accumulate_on_device_needs_offloaded_gradients():
     CPUOffloadOptimizer(_mlp().parameters(), accumulate_on_device=True, offload_gradients=True)
 
 
-@refusal("`device_fraction` with `CompactAdamW`")
+@refusal("`device_fraction` with `CompactAdamW` or `AdamW8bit`")
 def test_device_fraction_with_compact_adamw():
     bf16 = _mlp(torch.bfloat16)
-    _refused("`device_fraction` with `CompactAdamW`", lambda: CPUOffloadOptimizer(
+    _refused("`device_fraction` with `CompactAdamW` or `AdamW8bit`", lambda: CPUOffloadOptimizer(
         bf16.parameters(), optimizer_cls=CompactAdamW, device_fraction=0.5), cls="CompactAdamW")
     CPUOffloadOptimizer(bf16.parameters(), optimizer_cls=CompactAdamW)
     CPUOffloadOptimizer(_mlp().parameters(), device_fraction=0.5)
@@ -142,20 +142,20 @@ def test_device_fraction_with_dtensors(one_rank):
     CPUOffloadOptimizer(_dtensors(one_rank, 0))
 
 
-@refusal("`CompactAdamW` with DTensor parameters sharded other than by rows")
+@refusal("`CompactAdamW` or `AdamW8bit` with DTensor parameters sharded other than by rows")
 def test_compact_adamw_needs_row_shards(one_rank):
     from torch.distributed.tensor import Shard
 
-    _refused("`CompactAdamW` with DTensor parameters sharded other than by rows",
+    _refused("`CompactAdamW` or `AdamW8bit` with DTensor parameters sharded other than by rows",
              lambda: CPUOffloadOptimizer(_dtensors(one_rank, 1, torch.bfloat16), optimizer_cls=CompactAdamW),
              placements=(Shard(dim=1),))
     CPUOffloadOptimizer(_dtensors(one_rank, 0, torch.bfloat16), optimizer_cls=CompactAdamW)
     CPUOffloadOptimizer(_dtensors(one_rank, 1))  # (other classes keep no state per row)
 
 
-@refusal("`CompactAdamW` with parameters not bf16, or `master_weights`")
+@refusal("`CompactAdamW` or `AdamW8bit` with parameters not bf16, or `master_weights`")
 def test_compact_adamw_needs_bf16_without_masters():
-    combination = "`CompactAdamW` with parameters not bf16, or `master_weights`"
+    combination = "`CompactAdamW` or `AdamW8bit` with parameters not bf16, or `master_weights`"
     _refused(combination, lambda: CPUOffloadOptimizer(_mlp().parameters(), optimizer_cls=CompactAdamW),
              cls="CompactAdamW", dtypes_list="torch.float32", master_weights=False)
     _refused(combination, lambda: CPUOffloadOptimizer(
@@ -220,12 +220,12 @@ def test_grad_scaler_with_offloaded_gradients():
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
-@refusal("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s)")
+@refusal("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s, `AdamW8bit`'s)")
 def test_grad_scaler_with_streamed_compact_adamw(on_cpu, monkeypatch):
     params = list(_mlp(torch.bfloat16).parameters())
     opt = CPUOffloadOptimizer(params, optimizer_cls=CompactAdamW)
     before = _scaled_step(opt, params)
-    _refused("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s)", opt.step)
+    _refused("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s, `AdamW8bit`'s)", opt.step)
     assert all(torch.equal(a, b) for a, b in zip(before, params))
     monkeypatch.setattr(streamed, "_ON_CPU", False)  # the host engine takes the scale
     opt = CPUOffloadOptimizer(params, optimizer_cls=CompactAdamW)
@@ -299,7 +299,7 @@ def test_what_a_state_format_refuses_takes_the_host(on_cpu, caplog, monkeypatch)
     """The formats' own refusals (their modules'), and a parameter not plain for any format."""
     assert _engine(caplog, _mlp(torch.float64).parameters()) == HOST  # (the adamw format's dtypes)
     assert _engine(caplog, _noncontiguous(torch.bfloat16), optimizer_cls=CompactAdamW) == HOST
-    monkeypatch.setattr(compact_streamed, "_device_refusal", lambda device, on_cpu: "Triton is not installed")
+    monkeypatch.setattr(compact_streamed, "device_refusal", lambda device, on_cpu: "Triton is not installed")
     assert _engine(caplog, _mlp(torch.bfloat16).parameters(), optimizer_cls=CompactAdamW) == HOST
 
 
