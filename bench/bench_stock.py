@@ -60,6 +60,9 @@ RUNS = {
         "torchao_offload_grads": ("stock", ["optimizer._component_=torchao.optim.CPUOffloadOptimizer",
                                             "optimizer_in_bwd=False", "optimizer.offload_gradients=True"]),
         "ours_stock": ("stock", [OURS]),
+        # The drop-in with bitsandbytes' 8-bit AdamW update (what the stock config ships), its
+        # state in host memory: the two overrides, nothing else.
+        "ours_stock_adamw8bit": ("stock", [OURS, "optimizer.optimizer_cls=offload_plugin.AdamW8bit"]),
         "ours_stock_no_in_bwd": ("stock", [OURS, "optimizer_in_bwd=False"]),
         "ours_stock_in_flight_4g": ("stock", [OURS]),  # (RUN_ENV: another in-backward bound)
         "ours_stock_flush_4m": ("stock", [OURS]),

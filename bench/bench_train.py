@@ -12,6 +12,11 @@ goes on.
     python bench/bench_train.py --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048
     python bench/bench_train.py --model llama3_1_8b --job full --tokens-per-step 16384 \\
         --seq-len 2048 --grad-accum 4 --activation-checkpointing --measure-host-update
+    # stepped in backward, ours under a 24 GiB cap against torch's AdamW uncapped, with the
+    # bytes each streamed step moves and the pinned copy bandwidth (bench/bus.py) beside them
+    python bench/bench_train.py --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \\
+        --activation-checkpointing --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd --measure-bus \\
+        --profile-bus --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd,offload_in_bwd
     # smoke test on a CPU machine (torchao and bitsandbytes are skipped there)
     python bench/bench_train.py --tiny --device cpu --job full --tokens-per-step 512 \\
         --seq-len 128 --optimizers gpu_adamw,offload,offload_grads --steps 3 --warmup 1
@@ -44,6 +49,8 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # offload_plugin, whether installed or not
+sys.path.insert(1, str(REPO / "bench"))
+import bus  # noqa: E402  (bench/bus.py: bytes moved per step, copy bandwidth)
 
 LR = 1e-5
 GIB = 2**30
@@ -53,7 +60,15 @@ BUILDERS = {  # (model, job) -> torchtune builder
     ("llama3_2_1b", "qlora"): "torchtune.models.llama3_2.qlora_llama3_2_1b",
     ("llama3_1_8b", "full"): "torchtune.models.llama3_1.llama3_1_8b",
     ("llama3_1_8b", "qlora"): "torchtune.models.llama3_1.qlora_llama3_1_8b",
+    # Full fine-tuning only, for bench/what_fits.py's ladder of sizes.
+    ("llama3_2_3b", "full"): "torchtune.models.llama3_2.llama3_2_3b",
+    ("gemma2_9b", "full"): "torchtune.models.gemma2.gemma2_9b",
+    ("qwen2_5_14b", "full"): "torchtune.models.qwen2_5.qwen2_5_14b_base",
+    ("gemma2_27b", "full"): "torchtune.models.gemma2.gemma2_27b",
+    ("qwen2_5_32b", "full"): "torchtune.models.qwen2_5.qwen2_5_32b_base",
+    ("llama3_1_70b", "full"): "torchtune.models.llama3_1.llama3_1_70b",
 }
+ADAMW8BIT = "offload_plugin.AdamW8bit"  # bitsandbytes' 8-bit AdamW update, state in host memory
 LORA_KWARGS = dict(lora_attn_modules=["q_proj", "k_proj", "v_proj", "output_proj"],
                    apply_lora_to_mlp=True, lora_rank=8, lora_alpha=16)
 TINY = dict(vocab_size=512, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128,
@@ -145,11 +160,12 @@ def _host_update(make):
     return build
 
 
-def _ours_default(model, args):
-    """What plain Python gets: ``CPUOffloadOptimizer(model.parameters(), lr=...)``."""
+def _ours_default(model, args, **kw):
+    """What plain Python gets: ``CPUOffloadOptimizer(model.parameters(), lr=...)`` (and
+    ``optimizer_cls`` where given, nothing else)."""
     from offload_plugin import CPUOffloadOptimizer
 
-    return CPUOffloadOptimizer(model.parameters(), lr=LR)
+    return CPUOffloadOptimizer(model.parameters(), lr=LR, **kw)
 
 
 class _NoUpdate:
@@ -216,8 +232,31 @@ OPTIMIZERS = {
     "compact_in_bwd": lambda m, t, a: _ours_in_bwd(m, a, optimizer_cls="offload_plugin.CompactAdamW"),
     "compact_in_bwd_host": _host_update(lambda m, t, a: _ours_in_bwd(m, a, optimizer_cls="offload_plugin.CompactAdamW")),
     "gpu_adamw_in_bwd": lambda m, t, a: _InBackward(m, lambda ps: torch.optim.AdamW(ps, lr=LR, fused=True)),
+    # Opt-in AdamW8bit (bitsandbytes' 8-bit update, ~2 bytes of state per parameter), no other
+    # option: a plain step after backward, and stepped in backward as the two above.
+    "adamw8bit": lambda m, t, a: _ours_default(m, a, optimizer_cls=ADAMW8BIT),
+    "adamw8bit_in_bwd": lambda m, t, a: _ours_in_bwd(m, a, optimizer_cls=ADAMW8BIT),
 }
 DEFAULT_OPTIMIZERS = "gpu_adamw,offload,offload_grads,torchao,bnb_paged8bit"
+
+
+def _names(text):
+    """A comma-separated list of names (--optimizers, --uncapped)."""
+    return [n.strip() for n in (text or "").split(",") if n.strip()]
+
+
+def _targets(text):
+    """--targets "a=0.9,b=0.8" -> {"a": 0.9, "b": 0.8}."""
+    return {k.strip(): float(v) for k, v in (item.split("=", 1) for item in _names(text))}
+
+
+def base_of(names, base=None):
+    """The optimizer the ratios are against: ``base`` if given, else torch's fused AdamW on
+    the GPU, stepped after backward or, where only that ran, in backward."""
+    names = list(names)
+    if base:
+        return base
+    return "gpu_adamw_in_bwd" if "gpu_adamw_in_bwd" in names and "gpu_adamw" not in names else "gpu_adamw"
 
 
 def skip_reason(name, args):
@@ -274,7 +313,7 @@ def build_model(args):
                 model = lora_llama3_2(**LORA_KWARGS, quantize_base=True,
                                       max_seq_len=args.seq_len, **TINY)
             else:
-                model = llama3_2(max_seq_len=args.seq_len, **TINY)
+                model = llama3_2(max_seq_len=args.seq_len, **dict(TINY, num_layers=args.tiny_layers))
         else:
             module, _, name = BUILDERS[(args.model, args.job)].rpartition(".")
             builder = getattr(importlib.import_module(module), name)
@@ -333,10 +372,16 @@ def run_single(args, name):
 
     dev = args.device
     res = {"optimizer": name, "threads": torch.get_num_threads(), "notes": []}
-    if args.gpu_memory_gib:  # a smaller card: the caching allocator refuses more than this
+    res["gpu_memory_limit_gib"] = None if name in _names(args.uncapped) else args.gpu_memory_gib
+    if res["gpu_memory_limit_gib"] and dev != "cuda":
+        res["notes"].append("--gpu-memory-gib has no effect on the CPU")
+    elif res["gpu_memory_limit_gib"]:  # a smaller card: the caching allocator refuses more than this
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * GIB / total))
-        res["gpu_memory_limit_gib"] = args.gpu_memory_gib
+    if args.cpu_streamed:  # (smoke tests: the streamed engine's code on the host, as tests/ run it)
+        from offload_plugin import streamed
+
+        streamed._ON_CPU = True
     if dev == "cuda":
         res["device_name"] = torch.cuda.get_device_name()
     model = build_model(args)
@@ -446,6 +491,18 @@ def run_single(args, name):
                 waited.append(opt.engine.worker.waited_s)
             print(f"[{name}] step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
                   file=sys.stderr, flush=True)
+        if args.profile_bus and dev == "cuda" and is_ours:
+            def one_step():
+                forward_backward()
+                scale_clip()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                sync(dev)
+            try:  # one more step, profiled: where its copies ran (bench/bus.py's copy_window)
+                sync(dev)
+                res.update(bus.copy_window(one_step))
+            except Exception as err:  # (the profiler's trouble is not the optimizer's)
+                res["notes"].append(f"--profile-bus failed: {type(err).__name__}: {str(err)[:200]}")
         if is_ours:
             opt.finish_step()
         if marks:
@@ -477,6 +534,7 @@ def run_single(args, name):
             res["host_update_gparams_s"] = res["trainable_params"] / min(upd) / 1e9
         if is_ours:
             res["opt_host_gib"] = opt.host_memory_bytes() / GIB
+            res.update(bus.streamed_bytes(opt) or {})  # what each step moved over the bus
     except Skip:
         raise
     except BaseException as err:  # OOM and friends: record and report, don't crash the run
@@ -581,10 +639,47 @@ def _added_memory(results, base):
     return [("added GiB", lambda r: _fmt(added(r), 2)), ("added / base", share)]
 
 
-def markdown_table(results, columns=COLUMNS, base_name="gpu_adamw"):
-    """One row per optimizer; ratios are against ``base_name`` when it ran."""
+def window_use(r):
+    """The share of the bus used within the profiled step's copy window, each way."""
+    each = [r.get(f"bus_use_{kind}_window") for kind in ("h2d", "d2h")]
+    return " / ".join("-" if x is None else f"{100 * x:.0f}%" for x in each) if any(each) else "-"
+
+
+def _gib_or_none(x):
+    return "none" if x is None else f"{x:g}"
+
+
+def _extra_columns(results, base):
+    """Columns shown only where some result has what they show: the GPU cap where runs of
+    one table had different ones (--uncapped), the bus (bytes moved per step each way by a
+    streamed run, and with a bandwidth its share of the bus), and --targets."""
+    cols = []
+    if len({r.get("gpu_memory_limit_gib") for r in results if "step_s" in r}) > 1:
+        cols.append(("GPU cap GiB", lambda r: _gib_or_none(r.get("gpu_memory_limit_gib"))))
+    if any(r.get("bytes_h2d_per_step") for r in results):
+        gb = lambda key: lambda r: _fmt(r[key] / 1e9 if r.get(key) else None, 2)  # noqa: E731
+        cols += [("H2D GB/step", gb("bytes_h2d_per_step")), ("D2H GB/step", gb("bytes_d2h_per_step"))]
+        if any(r.get("bus_use") is not None for r in results):
+            cols += [column("bus floor s", "bus_floor_s"),
+                     ("bus use", lambda r: "-" if r.get("bus_use") is None else f"{100 * r['bus_use']:.0f}%")]
+        if any(r.get("bus_use_h2d_window") is not None for r in results):
+            cols.append(("bus use while copying (h2d / d2h)", window_use))
+    if any(r.get("target_vs_base") for r in results):
+        speed = lambda r: (r["tokens_per_s"] / base["tokens_per_s"]  # noqa: E731
+                           if base.get("tokens_per_s") and r.get("tokens_per_s") else None)
+        cols += [("tokens/s / base", lambda r: _fmt(speed(r), 2) + ("x" if speed(r) else "")),
+                 ("target", lambda r: f">= {r['target_vs_base']:.2f}x" if r.get("target_vs_base") else "-"),
+                 ("met", lambda r: "-" if not r.get("target_vs_base") or speed(r) is None
+                  else ("yes" if speed(r) >= r["target_vs_base"] else "**no**"))]
+    return cols
+
+
+def markdown_table(results, columns=COLUMNS, base_name=None):
+    """One row per optimizer; ratios are against ``base_name`` when it ran (by default
+    torch's fused AdamW on the GPU: ``base_of``)."""
+    base_name = base_of([r["optimizer"] for r in results], base_name)
     base = next((r for r in results if r["optimizer"] == base_name and "step_s" in r), {})
-    columns = list(columns) + (_added_memory(results, base) or [])
+    columns = list(columns) + _extra_columns(results, base) + (_added_memory(results, base) or [])
     heads = ["optimizer", *(h for h, _ in columns), f"step / {base_name}", f"peak / {base_name}"]
     rows = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for r in results:
@@ -613,9 +708,39 @@ def describe(run):
         ", activation checkpointing" if a["activation_checkpointing"] else "") + (
         f", clip {a['clip_grad_norm']}" if a.get("clip_grad_norm") else "") + (
         ", early_forward" if a.get("early_forward") else "") + (  # (older runs' flag)
-        f", host_threads {a['host_threads']}" if a.get("host_threads") else "")
+        f", host_threads {a['host_threads']}" if a.get("host_threads") else "") + (
+        f", GPU capped at {a['gpu_memory_gib']:g} GiB" if a.get("gpu_memory_gib") else "") + (
+        f" (not {', '.join(_names(a['uncapped']))})" if a.get("gpu_memory_gib") and a.get("uncapped") else "")
     return (f"{model} {a['job']}, {a['tokens_per_step']} tokens/step, seq {a['seq_len']}"
             f"{extra} ({run.get('gpu') or a['device']}, {run['date']})")
+
+
+def measured_bus(args, out):
+    """The pinned copy bandwidth: read from --bus-json, or measured (--measure-bus) by
+    bench/bus.py in a process of its own after the runs (this one keeps off the GPU)."""
+    if args.bus_json:
+        try:
+            return dict(json.loads(Path(args.bus_json).read_text()), source=args.bus_json)
+        except (OSError, ValueError) as err:
+            print(f"warning: no bandwidth from {args.bus_json}: {err}", file=sys.stderr)
+            return None
+    if not args.measure_bus:
+        return None
+    out = Path(out).with_suffix(".bus.json")
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "bus.py"), "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        print(f"warning: bench/bus.py failed: {proc.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    got = json.loads(out.read_text())
+    out.unlink()
+    return dict(got, source="measured after the runs (bench/bus.py)")
+
+
+def bus_line(bandwidth):
+    return (f"Bus: pinned copies host->GPU {bandwidth['h2d_GBps']} GB/s, GPU->host "
+            f"{bandwidth['d2h_GBps']} GB/s, both at once {bandwidth['both_GBps_each_way']} GB/s each way "
+            f"({bandwidth.get('source', '')}); \"bus use\" is bytes each way / step s / that.")
 
 
 def _version(pkg):
@@ -638,8 +763,8 @@ def _git_commit():
 
 
 def parent_main(args):
-    names = [n.strip() for n in args.optimizers.split(",") if n.strip()]
-    unknown = [n for n in names if n not in OPTIMIZERS]
+    names = _names(args.optimizers)
+    unknown = [n for n in names + _names(args.uncapped) + list(_targets(args.targets)) if n not in OPTIMIZERS]
     if unknown:
         sys.exit(f"unknown optimizers {unknown}; known: {', '.join(OPTIMIZERS)}")
     date = datetime.date.today().isoformat()
@@ -650,10 +775,14 @@ def parent_main(args):
         + ("-ac" if args.activation_checkpointing else "") + ".json")
 
     results = []
+    started = time.perf_counter()
     for name in names:
         print(f"== {name}", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         reason = skip_reason(name, args)
+        if not reason and args.time_budget and t0 - started + args.child_timeout > args.time_budget:
+            reason = (f"not started: {t0 - started:.0f} s of the {args.time_budget:.0f} s budget spent, "
+                      f"a run may take {args.child_timeout:.0f} s")
         res = {"optimizer": name, "skipped": reason} if reason else run_child(name, args)
         res["wall_s"] = time.perf_counter() - t0
         if "skipped" in res:
@@ -661,7 +790,13 @@ def parent_main(args):
         results.append(res)
 
     trainable = next((r["trainable_params"] for r in results if r.get("trainable_params")), 0)
-    ref = cpu_adamw_reference(trainable, args.ref_numel_cap) if trainable else None
+    ref = cpu_adamw_reference(trainable, args.ref_numel_cap) if trainable and args.ref_numel_cap > 0 else None
+    bandwidth = measured_bus(args, out)
+    targets = _targets(args.targets)
+    for r in results:
+        r.update(bus.use(r, bandwidth))
+        if r["optimizer"] in targets:
+            r["target_vs_base"] = targets[r["optimizer"]]
     run = {
         "date": date,
         "gpu": next((r["device_name"] for r in results if r.get("device_name")), None),
@@ -672,12 +807,16 @@ def parent_main(args):
         "args": {k: v for k, v in vars(args).items() if k not in ("single", "out")},
         "trainable_params": trainable,
         "cpu_adamw_reference": ref,
+        "bus": bandwidth,
+        "base": base_of(names, args.base),
         "results": results,
     }
-    table = markdown_table(results)
+    table = markdown_table(results, base_name=run["base"])
     print(f"\n### {describe(run)}\n\n{table}")
     if ref:
         print("\n" + reference_line(ref, trainable))
+    if bandwidth:
+        print("\n" + bus_line(bandwidth))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(run, indent=2) + "\n")
     print(f"\nwrote {out}")
@@ -718,6 +857,34 @@ def parse_args(argv=None):
     p.add_argument("--ref-numel-cap", type=int, default=2**28,
                    help="max elements for the standalone CPU AdamW figure (16 B each)")
     p.add_argument("--child-timeout", type=float, default=1800, help="seconds per optimizer")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds for the whole invocation: an optimizer whose run could end past it "
+                        "(--child-timeout) is not started, and recorded as skipped")
+    p.add_argument("--uncapped", default="",
+                   help="comma-separated optimizers that run without --gpu-memory-gib's cap (the "
+                        "uncapped baseline in the same invocation as capped runs)")
+    p.add_argument("--base", default=None,
+                   help="the optimizer the ratios are against (default gpu_adamw, or gpu_adamw_in_bwd "
+                        "where only that ran)")
+    p.add_argument("--targets", default="",
+                   help='comma-separated NAME=RATIO: the tokens/s each should reach against the base '
+                        '(e.g. "adamw8bit_in_bwd=0.9"), shown with the result')
+    p.add_argument("--measure-bus", action="store_true",
+                   help="measure the pinned copy bandwidth (bench/bus.py) after the runs, for the "
+                        "bus columns (bytes moved per step / step s / bandwidth)")
+    p.add_argument("--profile-bus", action="store_true",
+                   help="profile one more step of ours (torch.profiler, CUDA): the window from its first "
+                        "host<->GPU copy to its last, for the bus use while the step transfers")
+    p.add_argument("--bus-json", default=None,
+                   help="the copy bandwidth measured before (bench/bus.py --json), instead")
+    p.add_argument("--label", default=None,
+                   help="a name shared by the invocations of one results table (bench/report.py "
+                        "prints their runs together)")
+    p.add_argument("--tiny-layers", type=int, default=TINY["num_layers"],
+                   help="with --tiny: its number of layers (bench/what_fits.py's smoke test)")
+    p.add_argument("--cpu-streamed", action="store_true",
+                   help="smoke tests with --device cpu: run the streamed update's code on the host "
+                        "(as tests/ do), so that the bus columns are filled")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--single", default=None, help=argparse.SUPPRESS)  # internal: child mode
     args = p.parse_args(argv)

@@ -1,8 +1,10 @@
 """Turn every bench/results/*.json into markdown: bench_train.py's and bench_fsdp2.py's runs,
-then bench_stock.py's (torchtune's stock recipes) and qlora_ab.py's.
+then the runs of one table (bench_train.py --label) side by side as the results page shows
+them, bench_stock.py's (torchtune's stock recipes), qlora_ab.py's and what_fits.py's.
 
     python bench/report.py                # prints markdown for the README
     python bench/report.py --results DIR  # another folder
+    python bench/report.py --only '*-issue42.json'  # the files whose names match
 """
 
 import argparse
@@ -13,7 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fsdp2  # noqa: E402
 import bench_stock  # noqa: E402
-from bench_train import describe, markdown_table, reference_line  # noqa: E402
+import bus  # noqa: E402
+import what_fits  # noqa: E402
+from bench_train import bus_line, describe, markdown_table, reference_line, window_use  # noqa: E402
 
 ORDER = {"tiny": 0, "llama3_2_1b": 1, "llama3_1_8b": 2}
 
@@ -29,9 +33,10 @@ def sort_key(run):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--only", default="*.json", help="a file name pattern (default every JSON)")
     args = parser.parse_args()
-    saved = {p.name: json.loads(p.read_text()) for p in sorted(args.results.glob("*.json"))}
-    runs = [run for run in saved.values() if "args" in run]  # training runs (not bench/pinning.py's)
+    saved = {p.name: json.loads(p.read_text()) for p in sorted(args.results.glob(args.only))}
+    runs = [dict(run, _file=name) for name, run in saved.items() if "args" in run]  # training runs (not bench/pinning.py's)
     print("## Benchmarks\n")
     print("Random-init torchtune models in bf16, random tokens, torchtune's chunked "
           "cross-entropy; step time is the synchronized mean after warm-up steps, peak GPU "
@@ -44,7 +49,8 @@ def main() -> None:
         v = run["versions"]
         fsdp2 = run.get("kind") == "fsdp2"
         print(f"### {(bench_fsdp2.describe if fsdp2 else describe)(run)}\n")
-        print((bench_fsdp2.markdown_table if fsdp2 else markdown_table)(run["results"]) + "\n")
+        print((bench_fsdp2.markdown_table(run["results"]) if fsdp2
+               else markdown_table(run["results"], base_name=run.get("base"))) + "\n")
         ref = run.get("cpu_adamw_reference")
         if ref:
             print(reference_line(ref, run.get("trainable_params", ref["numel"])) + "\n")
@@ -56,7 +62,84 @@ def main() -> None:
               f"commit {(run.get('git_commit') or '?')[:10]}"
               + (f" ({run['code_note']})" if run.get("code_note") else "")
               + (f"; {run['machine']}" if run.get("machine") else "") + "</sub>\n")
+    print_labelled_tables(runs)
     print_stock_runs(saved)
+    print_fits(saved)
+
+
+# bench_train.py's entry -> how a results table names it
+NAMES = {"gpu_adamw_in_bwd": "torch AdamW (fused), GPU", "gpu_adamw": "torch AdamW (fused), GPU",
+         "offload_in_bwd": "ours, default options (exact)", "offload_default": "ours, default options, step after backward",
+         "adamw8bit_in_bwd": "ours, `AdamW8bit`", "adamw8bit": "ours, `AdamW8bit`, step after backward",
+         "compact_in_bwd": "ours, `CompactAdamW`"}
+
+
+def labelled_table(group: list) -> str:
+    """The runs of one --label (each a number of tokens per step) in one table: tokens/s
+    against the base of its own invocation, the target, and the bus columns."""
+    lines = ["| tokens per step | run | GPU cap | tokens/s | vs GPU AdamW | target | peak GPU GiB | step s | "
+             "H2D GB/step | D2H GB/step | bus floor s | bus use | copy window s | bus use while copying (h2d / d2h) |",
+             "|" + "---|" * 14]
+    for run in sorted(group, key=lambda r: r["args"]["tokens_per_step"]):
+        base = next((r for r in run["results"] if r["optimizer"] == run.get("base") and r.get("tokens_per_s")), {})
+        first = True
+        for r in run["results"]:
+            tokens = f"{run['args']['tokens_per_step']:,}" if first else ""
+            first = False
+            name = NAMES.get(r["optimizer"], r["optimizer"])
+            if not r.get("tokens_per_s"):
+                why = f"skipped: {r['skipped']}" if "skipped" in r else f"FAILED: {r.get('error')}"
+                lines.append(f"| {tokens} | {name} | {why[:200]} |" + " |" * 11)
+                continue
+            cap = r.get("gpu_memory_limit_gib")
+            ratio = r["tokens_per_s"] / base["tokens_per_s"] if base else None
+            target = r.get("target_vs_base")
+            met = "" if target is None or ratio is None else (" (met)" if ratio >= target else " (**not met**)")
+            use = dict(r, **bus.use(r, run.get("bus")))
+            gb = lambda k: f"{use[k] / 1e9:.2f}" if use.get(k) else "-"  # noqa: E731
+            cells = [tokens, name, "none" if cap is None else f"{cap:g} GiB", f"{r['tokens_per_s']:,.0f}",
+                     "-" if ratio is None else f"{ratio:.2f}x", "-" if target is None else f">= {target:.2f}x{met}",
+                     f"{r['peak_gpu_gib']:.1f}" if r.get("peak_gpu_gib") is not None else "-", f"{r['step_s']:.3f}",
+                     gb("bytes_h2d_per_step"), gb("bytes_d2h_per_step"),
+                     f"{use['bus_floor_s']:.3f}" if use.get("bus_floor_s") else "-",
+                     f"{100 * use['bus_use']:.0f}%" if use.get("bus_use") else "-",
+                     f"{use['h2d_window_s']:.3f}" if use.get("h2d_window_s") else "-", window_use(use)]
+            lines.append("| " + " | ".join(cells) + " |")
+    bandwidth = next((run["bus"] for run in group if run.get("bus")), None)
+    if bandwidth:
+        lines += ["", bus_line(bandwidth)]
+    return "\n".join(lines)
+
+
+def print_labelled_tables(runs: list) -> None:
+    """bench_train.py runs that share a --label (and a date): one table each."""
+    groups: dict = {}
+    for run in runs:
+        label = run["args"].get("label")
+        if label:
+            groups.setdefault((label, run["date"]), []).append(run)
+    for (label, date), group in sorted(groups.items()):
+        a = group[0]["args"]
+        tokens = " and ".join(f"{r['args']['tokens_per_step']:,}" for r in sorted(
+            group, key=lambda r: r["args"]["tokens_per_step"]))
+        print(f"### {label}: {'tiny' if a['tiny'] else a['model']} {a['job']}, {tokens} tokens per step, seq "
+              f"{a['seq_len']}{', activation checkpointing' if a['activation_checkpointing'] else ''}"
+              f" ({group[0].get('gpu') or a['device']}, {date})\n")
+        print(labelled_table(group) + "\n")
+        print("Files: " + ", ".join(f"`{r['_file']}`" for r in group) + "\n")
+
+
+def print_fits(saved: dict) -> None:
+    """what_fits.py's tables, one per file."""
+    fits = {name: run for name, run in saved.items() if run.get("kind") == "fits"}
+    if not fits:
+        return
+    print("## What fits where\n")
+    print("Produced by `bench/what_fits.py`: per GPU cap and mode, the largest torchtune model (random init, "
+          "bf16) that trains under the cap with its host peak RSS within the host budget.\n")
+    for name, run in fits.items():
+        print(f"### {name}: {what_fits.describe(run)}\n")
+        print(what_fits.markdown(run) + "\n")
 
 
 def print_stock_runs(saved: dict) -> None:

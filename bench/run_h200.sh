@@ -43,6 +43,19 @@
 #   bash bench/run_h200.sh fsdp2    # 2 GPUs: Llama-3.1-8B full with FSDP2, 16k tokens/step (ga 2 + AC):
 #                                   # GPU AdamW, FSDP2's CPUOffloadPolicy, ours (each rank its shard);
 #                                   # about 4-6 minutes, at most 7 (--time-budget)
+#   bash bench/run_h200.sh inbwd8b16k  # issue 42: Llama-3.1-8B full, seq 2048, activation checkpointing, stepped
+#                                   # in backward, at 4k (2 x 2048) and 16k (8 x 2048) tokens per step: torch's
+#                                   # fused AdamW on the GPU uncapped against ours under a 24 GiB cap (AdamW8bit,
+#                                   # the default, CompactAdamW), 6 steps (2 warm-up) each, with the bytes each
+#                                   # streamed step moves and the pinned copy bandwidth (bench/bus.py) beside
+#                                   # them and one profiled step each for the copy window (about 6 minutes, at most 9.5)
+#   bash bench/run_h200.sh stock8b8bit # issue 42: torchtune's stock 8B full config, no cap: as shipped
+#                                   # (PagedAdamW8bit) against the drop-in with optimizer_cls AdamW8bit, and the
+#                                   # drop-in as it is (a 16 GB random checkpoint is written first; about 5 minutes)
+#   bash bench/run_h200.sh fits     # issue 42: the largest torchtune model each mode fully fine-tunes under a
+#                                   # 24 and a 48 GiB cap with a 64 GiB host budget (bench/what_fits.py; about
+#                                   # 7 minutes, at most 9: --time-budget; the 24 GiB column comes first)
+#   bash bench/run_h200.sh fits80   # the same under an 80 GiB cap (about 5 minutes, at most 9)
 # Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
@@ -147,6 +160,30 @@ for stage in "$@"; do
             --seq-len 2048 --grad-accum 2 --activation-checkpointing --steps 4 --warmup 1 \
             --child-timeout 150 --time-budget 420 \
             --optimizers fsdp_gpu_adamw,fsdp_cpu_offload_policy,offload_grads,offload_grads_nomaster ;;
+    inbwd8b16k)
+        # Ratios against torch's AdamW in the same invocation (tokens/s): --targets are issue 42's.
+        # A run that could end past the stage's budget is not started (--time-budget, --child-timeout).
+        python3 bench/bus.py --gib 4 --json "$OUT/bus.json" | tee "$OUT/bus.txt"
+        for t in 4096 16384; do
+            if [ $t = 4096 ]; then targets=adamw8bit_in_bwd=0.9,offload_in_bwd=0.8; limits=(--child-timeout 90 --time-budget 240)
+            else targets=adamw8bit_in_bwd=0.97,offload_in_bwd=0.95; limits=(--child-timeout 120 --time-budget 300); fi
+            bench llama3_1_8b-full-$t-ac-24gib-inbwd-issue42 --model llama3_1_8b --job full --tokens-per-step $t \
+                --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd \
+                --steps 6 --warmup 2 "${limits[@]}" --ref-numel-cap 0 --bus-json "$OUT/bus.json" --profile-bus \
+                --label issue42-inbwd --targets $targets \
+                --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd,offload_in_bwd,compact_in_bwd
+        done
+        python3 bench/report.py --only "$(date +%F)-llama3_1_8b-full-*-issue42.json" | tee "$OUT/issue42_inbwd.md" ;;
+    stock8b8bit)
+        python3 bench/bench_stock.py --job full --model 8b --steps 5 --warmup 2 --timeout 150 \
+            --runs stock_as_shipped,ours_stock_adamw8bit,ours_stock \
+            --out "bench/results/$(date +%F)-stock-8b-full-adamw8bit.json" | tee "$OUT/stock_8b_full_adamw8bit.txt" ;;
+    fits)
+        python3 bench/what_fits.py --caps 24,48 --time-budget 540 \
+            --out "bench/results/$(date +%F)-fits-24-48.json" 2>"$OUT/fits_24_48.log" | tee "$OUT/fits_24_48.md" ;;
+    fits80)
+        python3 bench/what_fits.py --caps 80 --time-budget 540 \
+            --out "bench/results/$(date +%F)-fits-80.json" 2>"$OUT/fits_80.log" | tee "$OUT/fits_80.md" ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done

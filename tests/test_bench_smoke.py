@@ -122,8 +122,9 @@ def test_host_update_rate_and_report_run(tmp_path):
     # Every committed training result and stock-recipe result appears (not other
     # benchmarks'), with its ratio column; the stock runs' ratios are over their baseline.
     saved = [json.loads(p.read_text()) for p in (REPO / "bench" / "results").glob("*.json")]
-    runs = [r for r in saved if "args" in r or r.get("kind") == "stock"]
-    assert report.stdout.count("### ") == len(runs)
+    runs = [r for r in saved if "args" in r or r.get("kind") in ("stock", "fits")]
+    labels = {(r["args"]["label"], r["date"]) for r in saved if r.get("args", {}).get("label")}
+    assert report.stdout.count("### ") == len(runs) + len(labels)  # (a label's runs: one table more)
     assert "| gpu_adamw |" in report.stdout
     rounds = report.stdout.split("### 2026-12-02-s22-stock-1b-full-rounds.json")[1].split("###")[0]
     assert "| ours_recipe | 5,660 (5,167, 5,586, 6,227) | 1.00x | 1.000 |" in rounds
@@ -462,3 +463,143 @@ def test_qlora_ab_tiny_cpu_smoke(tmp_path):
         assert len(run[name]["turn_time_ratios"]) == 2
     assert run["torch_adamw"]["speed_vs_torch_adamw"] == 1.0
     assert run["ours"]["speed_vs_torch_adamw"] > 0
+
+
+def _adamw8bit_standin(tmp_path):
+    """An environment whose ``offload_plugin.AdamW8bit`` exists: the class where it has
+    landed, else CompactAdamW(master=False) in its place (a sitecustomize on PYTHONPATH)."""
+    import os
+
+    import offload_plugin
+
+    env = dict(os.environ)
+    if not hasattr(offload_plugin, "AdamW8bit"):
+        (tmp_path / "sitecustomize.py").write_text(
+            "import offload_plugin\n"
+            "from offload_plugin import CompactAdamW\n"
+            "class AdamW8bit(CompactAdamW):\n"
+            "    def __init__(self, params, *args, **kw):\n"
+            "        kw.setdefault('master', False)\n"
+            "        super().__init__(params, *args, **kw)\n"
+            "offload_plugin.AdamW8bit = AdamW8bit\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+    return env
+
+
+def test_bench_train_adamw8bit_entries_and_bus_columns_cpu_smoke(tmp_path):
+    """The AdamW8bit entries train (stepped in backward and after it); with the streamed
+    code on the host, each streamed run records the bytes its steps move each way (the
+    state: 2 bytes and a little per parameter for AdamW8bit, 4 for exact AdamW's bf16
+    moments), the bus columns use a bandwidth passed in, the uncapped baseline runs beside
+    capped runs, and report.py prints the label's runs as one table with the targets."""
+    env = _adamw8bit_standin(tmp_path)
+    bandwidth = tmp_path / "bus.json"
+    bandwidth.write_text(json.dumps({"h2d_GBps": 50.0, "d2h_GBps": 50.0, "both_GBps_each_way": 0.01}))
+    results = tmp_path / "results"
+    modes = ["gpu_adamw_in_bwd", "adamw8bit_in_bwd", "offload_in_bwd", "adamw8bit"]
+    for tokens in (256,):  # (one invocation: the test stays short)
+        cmd = [sys.executable, str(REPO / "bench" / "bench_train.py"), "--tiny", "--device", "cpu",
+               "--job", "full", "--tokens-per-step", str(tokens), "--seq-len", "64", "--steps", "3",
+               "--warmup", "1", "--optimizers", ",".join(modes), "--cpu-streamed", "--gpu-memory-gib", "24",
+               "--uncapped", "gpu_adamw_in_bwd", "--targets", "adamw8bit_in_bwd=0.9,offload_in_bwd=0.8",
+               "--label", "smoke-inbwd", "--bus-json", str(bandwidth), "--ref-numel-cap", "0",
+               "--time-budget", "250", "--child-timeout", "60", "--out", str(results / f"t{tokens}.json")]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = json.loads((results / "t256.json").read_text())
+    assert run["base"] == "gpu_adamw_in_bwd" and run["bus"]["both_GBps_each_way"] == 0.01
+    got = {r["optimizer"]: r for r in run["results"]}
+    for name in modes:
+        assert "error" not in got[name], got[name]
+        assert len(set(got[name]["losses"])) == 3, name  # the weights moved
+    assert got["gpu_adamw_in_bwd"]["gpu_memory_limit_gib"] is None
+    assert got["offload_in_bwd"]["gpu_memory_limit_gib"] == 24
+    assert "bytes_h2d_per_step" not in got["gpu_adamw_in_bwd"]
+    numel = run["trainable_params"]
+    assert got["offload_in_bwd"]["bytes_h2d_per_step"] == got["offload_in_bwd"]["bytes_d2h_per_step"] == 4 * numel
+    assert got["offload_in_bwd"]["streamed_optimizers"] == 20 and got["adamw8bit"]["streamed_optimizers"] == 1
+    for name in ("adamw8bit_in_bwd", "adamw8bit"):
+        assert 2 * numel <= got[name]["bytes_h2d_per_step"] < 4.2 * numel, name  # (the stand-in: ~4)
+        assert got[name]["bus_use"] > 0 and got[name].get("target_vs_base") in (0.9, None)
+    assert "| H2D GB/step | D2H GB/step | bus floor s | bus use |" in proc.stdout
+    assert "| GPU cap GiB |" in proc.stdout and "| >= 0.90x |" in proc.stdout
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "report.py"), "--results", str(results)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert report.returncode == 0, report.stderr[-2000:]
+    table = report.stdout.split("### smoke-inbwd: tiny full, 256 tokens per step")[1].split("###")[0]
+    assert "| 256 | torch AdamW (fused), GPU | none | " in table and "| ours, `AdamW8bit` | 24 GiB |" in table
+    assert ">= 0.90x (" in table and "Bus: pinned copies" in table
+
+
+def test_bus_spans_and_use():
+    """bench/bus.py's arithmetic: overlapping copies count once; the bus use is bytes each
+    way over the step (or the copy window) over the bandwidth."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import bus
+
+    assert bus.spans([(0, 10), (5, 20), (30, 40)]) == {"window_s": 40e-6, "busy_s": 30e-6, "copies": 3}
+    got = bus.use({"bytes_h2d_per_step": 2e9, "bytes_d2h_per_step": 2e9, "step_s": 0.1, "h2d_window_s": 0.05},
+                  {"both_GBps_each_way": 50.0})
+    assert got["bus_floor_s"] == 0.04 and abs(got["bus_use"] - 0.4) < 1e-9
+    assert abs(got["bus_use_h2d_window"] - 0.8) < 1e-9 and "bus_use_d2h_window" not in got
+    assert bus.use({"step_s": 1.0}, {"both_GBps_each_way": 50.0}) == {}
+
+
+def test_what_fits_searches_largest_first_and_leaves_out_what_cannot_fit():
+    """what_fits.search with a stand-in for the runs: per cap, largest first, the host and
+    weight estimates leave models out before anything runs, a failure falls back to the
+    next smaller, a larger cap tries only larger models than the smaller cap's answer, and
+    the time budget stops new attempts."""
+    fits = _bench_module("what_fits")
+    args = fits.parse_args(["--device", "cpu", "--caps", "24,48", "--host-gib", "64", "--modes", "exact,adamw8bit"])
+    args.device = "cuda"  # (the weights-vs-cap check; nothing runs)
+    gib = 2**30
+    models = {name: {"params": n, "weights_gib": 2 * n / gib,
+                     "host_state_gib": {"exact": 4 * n / gib, "adamw8bit": 2 * n / gib}}
+              for name, n in [("small", 4e9), ("mid", 9e9), ("big", 14e9), ("wide", 20e9), ("huge", 30e9)]}
+    tried = []
+
+    def run(args, mode, model, cap, timeout):
+        tried.append((cap, mode, model))
+        if model == "mid" and cap == 24:  # out of memory under 24 GiB
+            return {"error": "OutOfMemoryError: CUDA out of memory"}
+        return {"tokens_per_s": 1000.0, "host_rss_gib": 70.0 if model == "huge" else 40.0, "peak_gpu_gib": 20.0}
+
+    rows = fits.search(args, models, run=run)
+    assert tried == [(24, "exact", "mid"), (24, "exact", "small"), (24, "adamw8bit", "mid"), (24, "adamw8bit", "small"),
+                     (48, "exact", "big"), (48, "adamw8bit", "wide")]
+    best = fits.largest(rows)
+    assert best[("exact", 24)]["model"] == "small" and best[("exact", 48)]["model"] == "big"
+    assert best[("adamw8bit", 48)]["model"] == "wide"
+    why = {(r["cap_gib"], r["mode"], r["model"]): r["reason"] for r in rows if r["outcome"] == "left out"}
+    assert "bf16 weights alone" in why[(24, "exact", "huge")] and "bf16 weights alone" in why[(24, "exact", "big")]
+    assert "host state" in why[(48, "exact", "wide")] and "bf16 weights alone" in why[(48, "adamw8bit", "huge")]
+    table = fits.markdown({"rows": rows, "caps": [24, 48], "modes": ["exact", "adamw8bit"]})
+    assert "| default options (exact AdamW) | **small** (4.0B): 1,000 tokens/s" in table
+    # A time budget already spent: nothing starts, and the table says so.
+    args.time_budget, clock = 100, iter([0, 1000] + [1000] * 20).__next__
+    rows = fits.search(args, models, run=run, clock=clock)
+    assert {r["outcome"] for r in rows} <= {"left out", "not tried"}
+    assert "not reached (time budget)" in fits.markdown({"rows": rows, "caps": [24, 48], "modes": ["exact", "adamw8bit"]})
+
+
+def test_what_fits_tiny_cpu_smoke(tmp_path):
+    """bench/what_fits.py end to end on the CPU: a ladder of tiny models, each mode's
+    largest trains (in a process of its own) and the report prints the table."""
+    env = _adamw8bit_standin(tmp_path)
+    out = tmp_path / "results" / "fits.json"
+    cmd = [sys.executable, str(REPO / "bench" / "what_fits.py"), "--tiny", "--device", "cpu", "--cpu-streamed",
+           "--models", "tiny_2l,tiny_4l", "--caps", "24,48", "--steps", "2", "--warmup", "1", "--seq-len", "64",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    run = json.loads(out.read_text())
+    assert run["kind"] == "fits" and "args" not in run  # (report.py tells training runs by "args")
+    fitted = [r for r in run["rows"] if r["outcome"] == "fits"]
+    assert [(r["mode"], r["model"]) for r in fitted] == [("exact", "tiny_4l"), ("compact", "tiny_4l"), ("adamw8bit", "tiny_4l")]
+    assert all(r["tokens_per_s"] > 0 and r["bytes_h2d_per_step"] > 0 for r in fitted)
+    assert [r["outcome"] for r in run["rows"] if r["cap_gib"] == 48] == ["as under 24 GiB"] * 3
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "report.py"), "--results", str(out.parent)],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "## What fits where" in report.stdout and "| AdamW8bit | **tiny_4l**" in report.stdout

@@ -1,0 +1,157 @@
+"""The bus the streamed update is bound by: what a streamed optimizer moves per step, and
+the pinned host<->GPU copy bandwidth to set it against.
+
+- :func:`bandwidth`: large pinned host buffers copied host->device and device->host in
+  staging-sized pieces (bench/streamed_timeline.py's ``copies``, the streamed update's own
+  pattern), each direction alone and both at once on their own streams; GB/s each way.
+- :func:`streamed_bytes`: the bytes one step of ours moves each way, read from the
+  optimizer: the streamed engine's state (``opt.engine``: its slots' entries in the inner
+  optimizer, and its format's ``state_bytes`` estimate), summed over the per-parameter
+  optimizers of a run stepped in backward. Weights and gradients stay on the GPU; the state
+  goes in and comes back whole every step.
+- :func:`copy_window`: one step under torch.profiler: from the first copy to the last in
+  each direction (the window in which the step is bound by the bus, if it is), and the
+  time copies ran in it.
+- :func:`use`: bytes each way / step time / the bandwidth both ways at once: the share of
+  the bus a step used (1.0 where a step is nothing but transfers); with a copy window, the
+  same over the window: the share of the bus used while the step transfers.
+
+    python bench/bus.py --gib 4 --json /tmp/bus.json     # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # offload_plugin, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # streamed_timeline
+
+
+def bandwidth(gib: float = 4.0, chunk: Optional[int] = None) -> dict:
+    """Pinned copy bandwidth on the current CUDA device: ``gib`` GiB each way (two bf16
+    host buffers, as a model's two moments) in pieces of ``chunk`` elements (the streamed
+    update's staging size by default); the best of three runs of each."""
+    from offload_plugin import streamed
+    from streamed_timeline import copies
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("the copy bandwidth is measured on a CUDA device")
+    chunk = chunk or streamed.STAGE_NUMEL
+    numel = int(gib * 2**30) // 4  # two bf16 buffers: 4 bytes per element each way
+    got = copies(numel, chunk)
+    both = got["both"]["GB/s each way"]
+    return {"device_name": torch.cuda.get_device_name(), "gib_each_way": gib, "chunk_numel": chunk,
+            "h2d_GBps": got["h2d"]["GB/s each way"], "d2h_GBps": got["d2h"]["GB/s each way"],
+            "both_GBps_each_way": both, "both_GBps_total": round(2 * both, 1), "seconds": got}
+
+
+def streamed_bytes(opt) -> Optional[dict]:
+    """What one step of ``opt`` (ours, or bench_train's in-backward wrapper over ours) moves
+    over the bus each way, or None where nothing of it is streamed (another optimizer, or
+    ours on its host update). ``state_bytes_held``: every state tensor but the step count
+    (what the stage copies in and back); ``state_bytes_format``: the format's estimate
+    (``state_bytes(param)`` x numel)."""
+    opts = list(opt.optimizers.values()) if hasattr(opt, "optimizers") else [opt]
+    held = estimate = numel = streaming = hosted = 0
+    kinds = set()
+    for one in opts:
+        engine = getattr(one, "engine", None)
+        if engine is None:
+            return None  # not ours
+        if not engine.streams:
+            hosted += 1
+            continue
+        streaming += 1
+        kinds.add(engine.format.name or type(engine.format).__module__)
+        for slot in engine.slots:
+            n = slot.param.numel()
+            numel += n
+            estimate += engine.format.state_bytes(slot.param) * n
+            entry = engine.inner.state.get(slot.master, {})
+            held += sum(t.numel() * t.element_size() for k, t in entry.items()
+                        if isinstance(t, torch.Tensor) and k != "step")
+    if not streaming:
+        return None
+    each_way = held or estimate  # (before the first step the state may not exist yet)
+    return {"bytes_h2d_per_step": each_way, "bytes_d2h_per_step": each_way,
+            "state_bytes_held": held, "state_bytes_format": estimate, "streamed_numel": numel,
+            "streamed_optimizers": streaming, "host_update_optimizers": hosted,
+            "state_formats": sorted(kinds)}
+
+
+def spans(intervals: list) -> dict:
+    """(start, end) pairs in microseconds -> the window from the first start to the last
+    end and the time at least one of them ran, in seconds."""
+    if not intervals:
+        return {}
+    busy, reach = 0.0, None
+    for a, b in sorted(intervals):
+        if reach is None or a > reach:
+            busy, reach = busy + (b - a), b
+        elif b > reach:
+            busy, reach = busy + (b - reach), b
+    return {"window_s": (max(b for _, b in intervals) - min(a for a, _ in intervals)) / 1e6,
+            "busy_s": busy / 1e6, "copies": len(intervals)}
+
+
+def copy_window(step) -> dict:
+    """``step()`` (one training step, synchronized) under torch.profiler: per direction the
+    window from the first host<->device copy to the last and the time copies ran in it."""
+    import time
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+    out = {"profiled_step_s": time.perf_counter() - t0}
+    found: dict = {"h2d": [], "d2h": []}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and ("HtoD" in e.name or "DtoH" in e.name):
+            found["h2d" if "HtoD" in e.name else "d2h"].append((e.time_range.start, e.time_range.end))
+    for kind, intervals in found.items():
+        out.update({f"{kind}_{k}": v for k, v in spans(intervals).items()})
+    return out
+
+
+def use(result: dict, bus: Optional[dict]) -> dict:
+    """The bus columns of one result: the transfers' floor (bytes each way over the
+    bandwidth both ways at once), the share of the bus the step used, and with a copy
+    window (:func:`copy_window`) the share used within it, each way."""
+    each_way = result.get("bytes_h2d_per_step")
+    gbps = (bus or {}).get("both_GBps_each_way")
+    if not each_way or not gbps or not result.get("step_s"):
+        return {}
+    floor = max(each_way, result.get("bytes_d2h_per_step") or 0) / (gbps * 1e9)
+    out = {"bus_floor_s": floor, "bus_use": floor / result["step_s"]}
+    for kind in ("h2d", "d2h"):
+        window, nbytes = result.get(f"{kind}_window_s"), result.get(f"bytes_{kind}_per_step")
+        if window and nbytes:
+            out[f"bus_use_{kind}_window"] = nbytes / window / (gbps * 1e9)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=4.0, help="GiB copied each way per run")
+    p.add_argument("--chunk", type=int, default=None, help="elements per copy (default: the staging size)")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    got = bandwidth(args.gib, args.chunk)
+    print(f"pinned copies, {args.gib} GiB each way in pieces of {got['chunk_numel']:,} elements: "
+          f"h2d {got['h2d_GBps']} GB/s, d2h {got['d2h_GBps']} GB/s, both at once "
+          f"{got['both_GBps_each_way']} GB/s each way ({got['both_GBps_total']} GB/s in all)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(got, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
