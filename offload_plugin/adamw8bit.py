@@ -48,7 +48,7 @@ from offload_plugin import bnb_state, host_update, loading
 from offload_plugin.inner import InnerOptimizer
 
 __all__ = ["AdamW8bit", "BLOCK", "MIN_8BIT_SIZE", "dynamic_map", "quantize_", "dequantize",
-           "coefficients", "update_8bit_", "update_32bit_"]
+           "coefficients", "round_weight", "update_8bit_", "update_32bit_"]
 
 BLOCK = 256  # elements per absmax (bitsandbytes' block-wise optimizers since 0.43)
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 moments
@@ -124,8 +124,9 @@ def coefficients(group: Mapping, step: int, grad_scale: Optional[float] = None) 
     where bitsandbytes' kernel takes it (derived in double first, as it derives them):
     (beta1, 1 - beta1, beta2, 1 - beta2, sqrt(1 - beta2**step), eps, 1 - lr * weight_decay,
     -lr / (1 - beta1**step), the 32-bit update's step size -lr * sqrt(..) / (1 - beta1**step),
-    eps * sqrt(..), the gradient scale (1.0: none)). The host update and the GPU kernel
-    take the same row."""
+    eps * sqrt(..), the gradient scale (1.0: none), the step's rounding seed (-1.0: round to
+    nearest, else stochastic_rounding's, from the count: exact in fp32 below 2**24 steps)).
+    The host update and the GPU kernel take the same row."""
     lr, (beta1, beta2), eps, decay = (float(group["lr"]), tuple(map(float, group["betas"])),
                                       float(group["eps"]), float(group["weight_decay"]))
     correction1 = 1.0 - beta1 ** step
@@ -133,7 +134,33 @@ def coefficients(group: Mapping, step: int, grad_scale: Optional[float] = None) 
     return tuple(map(_f32, (beta1, 1.0 - beta1, beta2, 1.0 - beta2, correction2, eps,
                             1.0 - lr * decay if decay > 0.0 else 1.0, -lr / correction1,
                             -lr * correction2 / correction1, eps * correction2,
-                            1.0 if grad_scale is None else float(grad_scale))))
+                            1.0 if grad_scale is None else float(grad_scale),
+                            float(step % 2**24) if group.get("stochastic_rounding") else -1.0)))
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (int64 tensors holding values < 2**32): Wellons' lowbias32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def round_weight(p: torch.Tensor, seed: float, start: int, numel: int) -> torch.Tensor:
+    """fp32 ``p`` (elements ``start`` on of a parameter of ``numel``) as bf16: to nearest
+    (seed < 0, bitsandbytes' rounding), or stochastically (``stochastic_rounding=True``):
+    up with probability the distance to the lower bf16 value over the gap, from 16 random
+    bits that hash the element's place and the step, so that the host and the GPU kernel
+    round alike. inf and NaN round to nearest."""
+    if seed < 0:
+        return p.to(torch.bfloat16)
+    index = torch.arange(start, start + p.numel(), dtype=torch.int64) & 0xFFFFFFFF
+    key = _mix32(torch.tensor((int(seed) * 0x9E3779B1 ^ numel) & 0xFFFFFFFF, dtype=torch.int64))
+    bits = p.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    up = (bits + (_mix32(index ^ key) & 0xFFFF)) >> 16
+    up = torch.where(up >= 2**15, up - 2**16, up).to(torch.int16).view(torch.bfloat16)
+    return torch.where(torch.isfinite(p), up, p.to(torch.bfloat16))
 
 
 def _grad(grad: torch.Tensor, scale: float) -> torch.Tensor:
@@ -145,11 +172,13 @@ def _grad(grad: torch.Tensor, scale: float) -> torch.Tensor:
 
 @torch.no_grad()
 def update_8bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, absmax1: torch.Tensor,
-                 state2: torch.Tensor, absmax2: torch.Tensor, coeffs: tuple) -> None:
+                 state2: torch.Tensor, absmax2: torch.Tensor, coeffs: tuple, start: int = 0,
+                 numel: Optional[int] = None) -> None:
     """One step of bitsandbytes' 8-bit AdamW in place, on flat host tensors (bf16 weight and
     gradient, uint8 codes, fp32 absmax), with torch's CPU kernels in bitsandbytes' order (the
-    moments' multiply-adds are fused there: ``add_(alpha=)`` and ``addcmul_``)."""
-    b1, omb1, b2, omb2, c2, eps, decay, step_size, _, _, scale = coeffs
+    moments' multiply-adds are fused there: ``add_(alpha=)`` and ``addcmul_``). ``start``
+    and ``numel``: where the tensors lie in their parameter (stochastic rounding's place)."""
+    b1, omb1, b2, omb2, c2, eps, decay, step_size, _, _, scale, seed = coeffs
     n = weight.numel()
     for a in range(0, n, _CHUNK):
         b = min(n, a + _CHUNK)
@@ -164,16 +193,16 @@ def update_8bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor,
         if decay != 1.0:
             p.mul_(decay)
         p.addcdiv_(m, denom, value=step_size)
-        weight[a:b].copy_(p)
+        weight[a:b].copy_(round_weight(p, seed, start + a, numel or n))
         quantize_(m, True, state1[a:b], absmax1[ka:kb])
         quantize_(v, False, state2[a:b], absmax2[ka:kb])
 
 
 @torch.no_grad()
 def update_32bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
-                  coeffs: tuple) -> None:
+                  coeffs: tuple, start: int = 0, numel: Optional[int] = None) -> None:
     """bitsandbytes' 32-bit AdamW step in place (parameters under min_8bit_size): fp32 moments."""
-    b1, omb1, b2, omb2, _, _, decay, _, step_size, eps_c2, scale = coeffs
+    b1, omb1, b2, omb2, _, _, decay, _, step_size, eps_c2, scale, seed = coeffs
     g = _grad(grad, scale)
     state1.mul_(b1).add_(g, alpha=omb1)
     state2.mul_(b2).addcmul_(g, g, value=omb2)
@@ -181,7 +210,7 @@ def update_32bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor
     if decay != 1.0:
         p.mul_(decay)
     p.add_(state1 / state2.sqrt().add_(eps_c2), alpha=step_size)
-    weight.copy_(p)
+    weight.copy_(round_weight(p, seed, start, numel or weight.numel()))
 
 
 # --- the optimizer -----------------------------------------------------------------------------
@@ -202,6 +231,10 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         lr, betas, eps, weight_decay: as bitsandbytes' AdamW8bit (decoupled decay, 1e-2 by
             default).
         min_8bit_size (int): parameters with fewer elements keep fp32 moments. Default 4096.
+        stochastic_rounding (bool): round each new weight to bf16 stochastically instead of
+            to nearest (:func:`round_weight`), so that updates smaller than half a bf16 step
+            add up in expectation instead of being lost. **Not bitsandbytes' bits** (what it
+            changes in training: docs/performance.md). Default False: bitsandbytes' update.
         amsgrad, optim_bits, args, percentile_clipping, block_wise, is_paged, fused,
             foreach: bitsandbytes' and torch's arguments, taken so that configs written for
             them work; a value asking for another update (amsgrad=True, 32-bit state,
@@ -212,10 +245,11 @@ class AdamW8bit(Optimizer, InnerOptimizer):
     bf16_host_only = True
     state_format = "offload_plugin.adamw8bit_streamed"
     scales_gradients_in_step = True
-    optional_group_keys = ("min_8bit_size",)  # (bitsandbytes' groups lack it)
+    optional_group_keys = ("min_8bit_size", "stochastic_rounding")  # (bitsandbytes' groups lack them)
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, *, min_8bit_size: int = MIN_8BIT_SIZE, **bnb_args) -> None:
+                 weight_decay: float = 1e-2, *, min_8bit_size: int = MIN_8BIT_SIZE,
+                 stochastic_rounding: bool = False, **bnb_args) -> None:
         for key, value in bnb_args.items():
             if key not in _BNB_ARGS:
                 raise TypeError(f"AdamW8bit got an unexpected keyword argument {key!r}")
@@ -230,7 +264,7 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
             raise ValueError(f"min_8bit_size must be a whole number >= 0; got {min_8bit_size!r:.40}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      min_8bit_size=min_8bit_size))
+                                      min_8bit_size=min_8bit_size, stochastic_rounding=bool(stochastic_rounding)))
         self._full_shapes: dict = {}  # one rank's rows of a sharded parameter -> its full shape
 
     def __getstate__(self) -> dict:

@@ -39,6 +39,28 @@ def _to_bf16_bits(p):
 
 
 @triton.jit
+def _mix32(x):
+    """adamw8bit._mix32 on uint32 (its products wrap at 32 bits)."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _round(p, index, key, STOCHASTIC: tl.constexpr):
+    """adamw8bit.round_weight: bf16 bits (int32) of fp32 ``p``, to nearest or stochastically
+    from 16 bits hashing ``index`` (the element's place in its parameter) and ``key``."""
+    if STOCHASTIC:
+        u = p.to(tl.uint32, bitcast=True)
+        up = ((u + (_mix32(index.to(tl.uint32) ^ key.to(tl.uint32)) & 0xFFFF)) >> 16).to(tl.int32)
+        finite = (u & 0x7FFFFFFF) < 0x7F800000
+        return tl.where(finite, up, _to_bf16_bits(p))
+    return _to_bf16_bits(p)
+
+
+@triton.jit
 def _bf16(x_bits):
     """bf16 bits (int16) to fp32."""
     return (x_bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
@@ -67,7 +89,8 @@ def _quantize(x, inside, lut):
 
 @triton.jit
 def _adamw8bit_kernel(weight, grad, state1, absmax1, state2, absmax2, n, coeffs, skip,
-                      map1, map2, lut1, lut2, SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+                      map1, map2, lut1, lut2, start, key, SCALE: tl.constexpr,
+                      STOCHASTIC: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     block = tl.program_id(0)
     offs = block * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     # A step whose gradients hold an inf or NaN (skip != 0, decided on the device) writes
@@ -91,7 +114,7 @@ def _adamw8bit_kernel(weight, grad, state1, absmax1, state2, absmax2, n, coeffs,
     denom = tl.div_rn(tl.sqrt_rn(v), c2) + eps
     p = _bf16(tl.load(weight + offs, mask=inside, other=0)) * decay
     p = p + tl.div_rn(step_size * m, denom)
-    tl.store(weight + offs, _to_bf16_bits(p).to(tl.int16), mask=stored)
+    tl.store(weight + offs, _round(p, start + offs, key, STOCHASTIC).to(tl.int16), mask=stored)
     codes1, top1 = _quantize(m, inside, lut1)
     codes2, top2 = _quantize(v, inside, lut2)
     tl.store(state1 + offs, codes1, mask=stored)
@@ -101,8 +124,8 @@ def _adamw8bit_kernel(weight, grad, state1, absmax1, state2, absmax2, n, coeffs,
 
 
 @triton.jit
-def _adamw32bit_kernel(weight, grad, state1, state2, n, coeffs, skip,
-                       SCALE: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+def _adamw32bit_kernel(weight, grad, state1, state2, n, coeffs, skip, start, key,
+                       SCALE: tl.constexpr, STOCHASTIC: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
     limit = tl.where(tl.load(skip) == 0, n, 0)
     inside = offs < n
@@ -119,7 +142,7 @@ def _adamw32bit_kernel(weight, grad, state1, state2, n, coeffs, skip,
     v = tl.fma(omb2 * g, g, tl.load(state2 + offs, mask=inside, other=0.0) * b2)
     p = _bf16(tl.load(weight + offs, mask=inside, other=0)) * decay
     p = tl.fma(tl.div_rn(m, tl.sqrt_rn(v) + eps_c2), step_size, p)
-    tl.store(weight + offs, _to_bf16_bits(p).to(tl.int16), mask=stored)
+    tl.store(weight + offs, _round(p, start + offs, key, STOCHASTIC).to(tl.int16), mask=stored)
     tl.store(state1 + offs, m, mask=stored)
     tl.store(state2 + offs, v, mask=stored)
 
@@ -134,26 +157,37 @@ class GpuMaps:
 
 def update_8bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, absmax1: torch.Tensor,
                  state2: torch.Tensor, absmax2: torch.Tensor, coeffs: torch.Tensor, skip: torch.Tensor,
-                 maps: GpuMaps, scaled: bool = False) -> None:
+                 maps: GpuMaps, scaled: bool = False, start: int = 0, numel: int = 0, seed: int = -1) -> None:
     """adamw8bit.update_8bit_ on flat device tensors, queued on the current stream.
     ``coeffs``: adamw8bit.coefficients' row as an fp32 tensor; ``skip``: a one-element float
-    tensor, nonzero: write nothing; ``scaled``: the row's gradient scale is not 1."""
+    tensor, nonzero: write nothing; ``scaled``: the row's gradient scale is not 1; ``seed``:
+    the row's rounding seed (stochastic rounding if >= 0, of elements ``start`` on of a
+    parameter of ``numel``)."""
     n = weight.numel()
     if n:
         _adamw8bit_kernel[(triton.cdiv(n, BLOCK),)](
             weight.view(torch.int16), grad.view(torch.int16), state1, absmax1, state2, absmax2, n,
-            coeffs, skip, maps.map1, maps.map2, maps.lut1, maps.lut2, SCALE=scaled, BLOCK_SIZE=BLOCK,
-            **_NO_CONTRACTION)
+            coeffs, skip, maps.map1, maps.map2, maps.lut1, maps.lut2, start, _key(seed, numel),
+            SCALE=scaled, STOCHASTIC=seed >= 0, BLOCK_SIZE=BLOCK, **_NO_CONTRACTION)
 
 
 def update_32bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,
-                  coeffs: torch.Tensor, skip: torch.Tensor, scaled: bool = False) -> None:
+                  coeffs: torch.Tensor, skip: torch.Tensor, scaled: bool = False, start: int = 0,
+                  numel: int = 0, seed: int = -1) -> None:
     """adamw8bit.update_32bit_ on flat device tensors, queued on the current stream."""
     n = weight.numel()
     if n:
         _adamw32bit_kernel[(triton.cdiv(n, _ELEMENTS_32BIT),)](
-            weight.view(torch.int16), grad.view(torch.int16), state1, state2, n, coeffs, skip,
-            SCALE=scaled, BLOCK_SIZE=_ELEMENTS_32BIT, **_NO_CONTRACTION)
+            weight.view(torch.int16), grad.view(torch.int16), state1, state2, n, coeffs, skip, start,
+            _key(seed, numel), SCALE=scaled, STOCHASTIC=seed >= 0, BLOCK_SIZE=_ELEMENTS_32BIT,
+            **_NO_CONTRACTION)
+
+
+def _key(seed: int, numel: int) -> int:
+    """The rounding key of a step (adamw8bit.round_weight's), as a uint32 value."""
+    if seed < 0:
+        return 0
+    return int(adamw8bit._mix32(torch.tensor((seed * 0x9E3779B1 ^ numel) & 0xFFFFFFFF, dtype=torch.int64)))
 
 
 # Triton contracts a * b + c into a fused multiply-add on a GPU unless told not to; torch's CPU

@@ -177,23 +177,27 @@ class AdamW8bitFormat(StateFormat):
     def update(self, unit: Unit, views: tuple, grads: list, steps: list, found: torch.Tensor, args) -> None:
         row, on_device = args
         grad = grads[unit.at].view(-1)[unit.start:unit.end]
+        numel = unit.slot.param.numel()  # (where the unit lies: stochastic rounding's place)
         if on_device is None:  # (tests on the CPU: the host update on the host state in place)
             if not float(found):
                 if unit.eight_bit:
-                    adamw8bit.update_8bit_(unit.param, grad, views[2], views[0], views[3], views[1], row)
+                    adamw8bit.update_8bit_(unit.param, grad, views[2], views[0], views[3], views[1], row,
+                                           unit.start, numel)
                 else:
-                    adamw8bit.update_32bit_(unit.param, grad, *views, row)
+                    adamw8bit.update_32bit_(unit.param, grad, *views, row, unit.start, numel)
             return
         from offload_plugin import adamw8bit_gpu  # (Triton: where the GPU is)
 
         maps = self._maps.get(unit.param.device)
         if maps is None:
             maps = self._maps[unit.param.device] = adamw8bit_gpu.GpuMaps(unit.param.device)
+        place = dict(start=unit.start, numel=numel, seed=int(row[11]))
         if unit.eight_bit:
             absmax1, absmax2, state1, state2 = views
-            adamw8bit_gpu.update_8bit_(unit.param, grad, state1, absmax1, state2, absmax2, on_device, found, maps)
+            adamw8bit_gpu.update_8bit_(unit.param, grad, state1, absmax1, state2, absmax2, on_device, found, maps,
+                                       **place)
         else:
-            adamw8bit_gpu.update_32bit_(unit.param, grad, *views, on_device, found)
+            adamw8bit_gpu.update_32bit_(unit.param, grad, *views, on_device, found, **place)
 
 
 FORMAT = AdamW8bitFormat()

@@ -166,6 +166,50 @@ def test_a_nonfinite_step_is_skipped_by_the_streamed_update_as_by_the_host_updat
     assert sd["state"][0]["step"] == 3
 
 
+# ---------------------------------------------------------------------------- stochastic rounding
+def test_stochastic_rounding_is_unbiased_and_keeps_updates_rounding_to_nearest_loses():
+    """Values an eighth of a bf16 step above 1.0 round up an eighth of the time; steps of a
+    tenth of a bf16 step move the weights by about as much on average, where rounding to
+    nearest (bitsandbytes' update) leaves them where they were."""
+    x = torch.full((1 << 20,), 1.0 + 2.0 ** -10)
+    up = float((adamw8bit.round_weight(x, 5.0, 0, x.numel()).float() > 1.0).float().mean())
+    assert abs(up - 0.125) < 0.002, up
+    assert torch.equal(adamw8bit.round_weight(x, -1.0, 0, x.numel()), x.to(torch.bfloat16))
+    moved = {}
+    for sr in (False, True):
+        w = torch.ones(1 << 16, dtype=torch.bfloat16)
+        opt = AdamW8bit([w], lr=2.0 ** -8 / 10, weight_decay=0.0, stochastic_rounding=sr)
+        for _ in range(20):  # (Adam's steps are about lr each: 20 steps of a tenth of 2**-8)
+            w.grad = -torch.ones_like(w)
+            opt.step()
+        moved[sr] = float(w.float().mean()) - 1.0
+    assert moved[False] == 0.0
+    assert abs(moved[True] - 20 * 2.0 ** -8 / 10) < 0.1 * 20 * 2.0 ** -8 / 10, moved
+
+
+def test_stochastic_rounding_streamed_is_the_host_update_bit_for_bit(monkeypatch):
+    """The streamed code (run on the host, in ranges) rounds each element as the host update
+    does: the random bits follow the element's place in its parameter, not the unit's."""
+    results = []
+    for streaming in (False, True):
+        monkeypatch.setattr(streamed, "ENABLED", streaming)
+        monkeypatch.setattr(streamed, "_ON_CPU", streaming)
+        monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
+        qs = [nn.Parameter(p) for p in _params()]
+        opt = _offloaded(qs, stochastic_rounding=True, min_8bit_size=1024)
+        for step in range(4):
+            _step(opt, qs, step)
+        opt.finish_step()
+        results.append((qs, opt.state_dict()))
+    (host, host_sd), (ours, sd) = results
+    _assert_same_weights(host, ours)
+    _assert_same_state_dicts(host_sd, sd)
+    plain = [nn.Parameter(p) for p in _params()]
+    _run(lambda ps: _offloaded(ps, min_8bit_size=1024), 4, params=plain)
+    with pytest.raises(AssertionError):  # (it is not bitsandbytes' rounding)
+        _assert_same_weights(plain, ours)
+
+
 # ---------------------------------------------------------------------------- checkpoints
 def _run(make, steps, start=0, params=None):
     opt = make(params if params is not None else _params())
@@ -349,8 +393,9 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @CUDA
+@pytest.mark.parametrize("stochastic_rounding", [False, True])
 @pytest.mark.parametrize("min_8bit_size", [4096, 0, 10**6])
-def test_gpu_streamed_adamw8bit_has_the_host_updates_bits(monkeypatch, min_8bit_size):
+def test_gpu_streamed_adamw8bit_has_the_host_updates_bits(monkeypatch, min_8bit_size, stochastic_rounding):
     """The Triton kernels with the state streamed through small staging buffers, against the
     host update on the same gradients (an inf in one at step 2: skipped): every weight and
     state byte, the 32-bit kernel too (min_8bit_size=4096; 10**6: every tensor in 32 bits,
@@ -360,7 +405,7 @@ def test_gpu_streamed_adamw8bit_has_the_host_updates_bits(monkeypatch, min_8bit_
     for device in ("cpu", "cuda"):
         monkeypatch.setattr(streamed, "_ON_CPU", device == "cpu")
         params = [nn.Parameter(p.to(device)) for p in _params()]
-        opt = _offloaded(params, min_8bit_size=min_8bit_size)
+        opt = _offloaded(params, min_8bit_size=min_8bit_size, stochastic_rounding=stochastic_rounding)
         assert opt.engine.streams and opt.engine.format.name == "adamw8bit"
         for step in range(5):
             for p, g in zip(params, _grads(step)):
