@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -116,7 +117,11 @@ def dequantize(codes: torch.Tensor, absmax: torch.Tensor, signed: bool) -> torch
 # --- the update --------------------------------------------------------------------------------
 
 def _f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
+    """``x`` rounded to fp32 (to nearest, as torch rounds a Python scalar for an fp32 kernel)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # (beyond fp32's range: torch rounds it to inf)
+        return math.copysign(math.inf, x)
 
 
 def coefficients(group: Mapping, step: int, grad_scale: Optional[float] = None) -> tuple:
