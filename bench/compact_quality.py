@@ -27,6 +27,9 @@ The variants (--variants):
                    compact_offload_all must give these losses bit for bit
   compact_sr       the same 8-bit moments, bf16 weight alone with stochastic rounding (seeded)
   compact_bf16     the same 8-bit moments, bf16 weight alone, rounded to nearest (no master)
+  adamw8bit_offload  the product with bitsandbytes' update: CPUOffloadOptimizer(optimizer_cls=
+                   AdamW8bit) on the bf16 parameters (bnb_bf16's bits)
+  adamw8bit_sr_offload  the same with stochastic_rounding=True (not bitsandbytes' bits)
   offload_bf16     the product's default: CPUOffloadOptimizer() runs torch's AdamW on the
                    bf16 parameters as they are (bf16 moments, no master)
   bnb              bitsandbytes AdamW8bit (CPU backend) on fp32 masters
@@ -57,7 +60,7 @@ import torch
 
 from offload_plugin import compact_adam
 
-VARIANTS = ["exact", "exact_offload", "compact_offload", "compact_offload_all", "compact", "compact_all", "compact_sr",
+VARIANTS = ["exact", "exact_offload", "compact_offload", "compact_offload_all", "adamw8bit_offload", "adamw8bit_sr_offload", "compact", "compact_all", "compact_sr",
             "compact_bf16", "offload_bf16", "bnb", "bnb_bf16"]
 VOCAB, SEQ, BATCH = 512, 64, 16
 MIN_8BIT = 4096  # bitsandbytes' min_8bit_size
@@ -180,6 +183,9 @@ def _stepper(variant: str, params: List[torch.nn.Parameter], wd: float) -> Stepp
         kw = dict(lr=lr, betas=betas, eps=eps, weight_decay=wd)
         if variant == "compact_offload":
             opt = CPUOffloadOptimizer(params, optimizer_cls=CompactAdamW, **kw)
+        elif variant in ("adamw8bit_offload", "adamw8bit_sr_offload"):
+            opt = CPUOffloadOptimizer(params, optimizer_cls="offload_plugin.AdamW8bit",
+                                      stochastic_rounding=variant == "adamw8bit_sr_offload", **kw)
         elif variant == "compact_offload_all":
             opt = CPUOffloadOptimizer(params, optimizer_cls=CompactAdamW, min_8bit_size=0, **kw)
         else:
