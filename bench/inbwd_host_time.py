@@ -103,7 +103,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['optimizer']} | {r['step_s']:.3f} | {r['host_in_step_s']:.3f} | {r['step_calls']} |")
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+        args.json.write_text(json.dumps({"kind": "inbwd_host_time", "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

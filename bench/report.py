@@ -131,7 +131,7 @@ def print_labelled_tables(runs: list) -> None:
 
 def print_fits(saved: dict) -> None:
     """what_fits.py's tables, one per file."""
-    fits = {name: run for name, run in saved.items() if run.get("kind") == "fits"}
+    fits = {name: run for name, run in saved.items() if isinstance(run, dict) and run.get("kind") == "fits"}
     if not fits:
         return
     print("## What fits where\n")
@@ -150,7 +150,7 @@ def print_stock_runs(saved: dict) -> None:
           "after the warmup steps over the repeats; the per-step ratio pairs each step with "
           "the baseline's same step.\n")
     for name, saved_run in saved.items():
-        if saved_run.get("kind") != "stock":
+        if not isinstance(saved_run, dict) or saved_run.get("kind") != "stock":
             continue
         settings, results = saved_run["settings"], saved_run["results"]
         base = bench_stock.baseline(settings["job"], results)

@@ -3,8 +3,9 @@
 bitsandbytes' own ``load_state_dict`` checks nothing beyond group sizes: codes of another
 dtype or shape, a non-finite block scale or a map that is not its map load, and its kernel
 then reads them as they are. CompactAdamW converts such an entry into its own layout
-(``CompactAdamW.check_state_entry``, :func:`compact_adam.from_bnb`), so what it reads here
-must be what bitsandbytes 0.50 writes, or the conversion would carry garbage into the moments:
+(``CompactAdamW.check_state_entry``, :func:`compact_adam.from_bnb`) and AdamW8bit keeps it as
+it is (``AdamW8bit.check_state_entry``), so what they read here must be what bitsandbytes 0.50
+writes, or garbage would reach the moments:
 
 * ``step``: the number of steps, a Python int;
 * an 8-bit entry (AdamW8bit, PagedAdamW8bit; parameters of at least its ``min_8bit_size``
