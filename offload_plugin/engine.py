@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin import host_memory, process
+from offload_plugin import host_memory, process, state_formats
 from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.gradients import check_dense
 from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots
@@ -114,10 +114,14 @@ class Engine:
         host_copies = not self.streams
         if params and options.check_host_memory:
             state = host_memory.state_tensors_per_param(options.optimizer_cls, group)
+            own_format = contract(options.optimizer_cls)
+            # (a class with its own state format on bf16 host copies says its state's bytes)
+            state_bytes = (state_formats.get(own_format.state_format).state_bytes
+                           if own_format.bf16_host_only and own_format.state_format else None)
             spares = 2 if options.delayed_update and options.offload_gradients else 0
             host_memory.check(
                 host_memory.bytes_needed(shards, options.master_weights, state, spares,
-                                         host_copies=host_copies),
+                                         host_copies=host_copies, state_bytes=state_bytes),
                 sum(p.numel() for p in shards), options.master_weights,
             )
         slots = build_slots(
@@ -138,7 +142,7 @@ class Engine:
             # (moments to be page-locked were zero-filled, even where that failed: resident
             # now; any other state is made at the first step)
             host_memory.promise(self._optimizer, host_memory.bytes_needed(
-                shards, options.master_weights, state, host_copies=False))
+                shards, options.master_weights, state, host_copies=False, state_bytes=state_bytes))
         hooks = contract(type(self.inner))
         shard_of = hooks.hook(self.inner, "shard_of")  # (CompactAdamW lays out shards' state)
         for slot in slots:

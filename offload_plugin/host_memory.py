@@ -42,13 +42,15 @@ def state_tensors_per_param(optimizer_cls: type, kwargs: dict) -> int:
 
 def bytes_needed(
     params, master_weights: bool, state_tensors: int, extra_grad_buffers: int = 0,
-    host_copies: bool = True,
+    host_copies: bool = True, state_bytes=None,
 ) -> int:
     """Host bytes for master weights, gradient and staging buffers, and optimizer state.
 
     ``extra_grad_buffers``: further gradient-sized buffers per parameter (the delayed
     update's second gradient buffer and landing buffer). ``host_copies=False``: the
-    streamed update, which keeps only the state on the host.
+    streamed update, which keeps only the state on the host. ``state_bytes(p)``: the state's
+    bytes per element of ``p`` where its state format says (CompactAdamW's, AdamW8bit's),
+    in place of ``state_tensors`` tensors of the master's dtype.
     """
     total = 0
     for p in params:
@@ -56,7 +58,8 @@ def bytes_needed(
         own = p.element_size()
         stage = own if master != own else 0
         copies = master + own * (1 + extra_grad_buffers) + stage if host_copies else 0
-        total += p.numel() * (copies + state_tensors * master)
+        state = state_bytes(p) if state_bytes is not None else state_tensors * master
+        total += p.numel() * (copies + state)
     return total
 
 

@@ -377,6 +377,19 @@ def test_a_copy_steps_as_the_original(copy_with):
     _assert_same_state_dicts(opt.state_dict(), twin.state_dict())
 
 
+def test_the_host_memory_preflight_counts_its_two_bytes_of_state(monkeypatch):
+    """With room for 7 bytes per parameter, AdamW8bit's host update (weight, gradient and 2
+    bytes of state: 6) is built, the default's (weight, gradient and bf16 moments: 8) refused."""
+    from offload_plugin import HostMemoryError, host_memory
+
+    monkeypatch.setattr(streamed, "ENABLED", False)
+    params = [nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16))]
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: (7 * params[0].numel(), "a test limit"))
+    _offloaded(params)
+    with pytest.raises(HostMemoryError):
+        CPUOffloadOptimizer(params, lr=LR)
+
+
 def test_a_scheduler_drives_it_through_the_offload_optimizer(monkeypatch):
     monkeypatch.setattr(streamed, "ENABLED", False)
     params = [nn.Parameter(p) for p in _params()]
