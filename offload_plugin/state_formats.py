@@ -6,12 +6,14 @@ engines ask it everything that depends on the kind of state, and branch on none:
 - ``"adamw"`` (:mod:`offload_plugin.adamw_moments`): torch's Adam(W) state, moments in the
   dtype of the tensor updated (the parameter's, or an fp32 master's: ``MASTERS``);
 - ``"compact"`` (:mod:`offload_plugin.compact_streamed`): ``CompactAdamW``'s 8-bit moments
-  with block scales and the int16 remainder that makes the bf16 weight an exact fp32 master.
+  with block scales and the int16 remainder that makes the bf16 weight an exact fp32 master;
+- ``"offload_plugin.adamw8bit_streamed"`` (named by its dotted path): ``AdamW8bit``'s, bitsandbytes'
+  8-bit moments and block scales.
 
 An inner optimizer names its format with the ``state_format`` trait (offload_plugin.inner):
 one of the names above or a module's dotted path; torch's fused Adam(W) has ``"adamw"``. A
-new format (say bitsandbytes' block-wise 8-bit AdamW) is a new module whose ``FORMAT`` is a
-:class:`StateFormat`, named by the optimizer it serves; nothing else changes.
+new format is a new module whose ``FORMAT`` is a :class:`StateFormat`, named by the optimizer
+it serves; nothing else changes (``AdamW8bit``'s came that way).
 
 The streamed update (offload_plugin.streamed) moves a format's state through a ring of
 staging buffers on the GPU: per step it cuts the stepping parameters into *units* (a range
