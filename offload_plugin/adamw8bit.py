@@ -324,19 +324,7 @@ class AdamW8bit(Optimizer, InnerOptimizer):
     def step(self, closure=None, *, grad_scale: Optional[float] = None) -> Optional[Any]:
         """One step. ``grad_scale``: each gradient times it first, with the bits of
         ``p.grad.mul_(grad_scale)`` before the step, inside the update's pass."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Everything is checked before any parameter is updated: a refused step changes nothing.
-        for index, group in enumerate(self.param_groups):
-            host_update.check_hyperparameters(index, group)
-            for p in group["params"]:
-                if p.grad is not None:
-                    _check_tensor(p, "parameter")
-                    _check_tensor(p.grad, "gradient")
-                    if self.state.get(p):
-                        _check_live_entry(p, self.state[p])
+        loss = host_update.checked_step(self, closure, _check_tensor, _check_live_entry)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -486,7 +474,7 @@ def _finite_nonnegative(where: str, key: str, t: torch.Tensor, nonnegative: bool
         raise ValueError(f"{where} ({key!r}) holds negative values; it cannot. {_FIX}")
 
 
-def _check_live_entry(p: torch.Tensor, entry: dict) -> None:
+def _check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
     """``optimizer.state[p]`` as a step needs it (edited by hand, an entry of another shape
     or dtype would be read past its end or as something else)."""
     where = f"optimizer.state[p] of a parameter of shape {tuple(p.shape)}"

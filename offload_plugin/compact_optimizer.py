@@ -172,20 +172,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         pass: the same bits as ``p.grad.mul_(grad_scale)`` (torchtune's scale_grads) before
         the step, without a pass of its own (CPUOffloadOptimizer applies
         ``overlap_next_step``'s scale this way)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        # Groups, tensors and state entries are the user's to edit between steps: all are
-        # checked before any parameter is updated, so a refused step changes nothing.
-        for index, group in enumerate(self.param_groups):
-            host_update.check_hyperparameters(index, group)
-            for p in group["params"]:
-                if p.grad is not None:
-                    _check_tensor(p, "parameter")
-                    _check_tensor(p.grad, "gradient")
-                    if self.state.get(p):
-                        _check_live_entry(p, self.state[p], group)
+        loss = host_update.checked_step(self, closure, _check_tensor, _check_live_entry)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:

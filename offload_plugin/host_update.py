@@ -46,6 +46,27 @@ def uses_fused_adam(optimizer: Optimizer, group: dict) -> bool:
     )
 
 
+def checked_step(optimizer, closure, check_tensor, check_entry):
+    """The start of a host optimizer's ``step()`` (CompactAdamW's, AdamW8bit's): the closure's
+    loss, then every group (:func:`check_hyperparameters`), stepping tensor
+    (``check_tensor(t, "parameter" or "gradient")``) and state entry (``check_entry(p,
+    entry, group)``) checked before any parameter is updated. They are the user's to edit
+    between steps: a refused step changes nothing."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    for index, group in enumerate(optimizer.param_groups):
+        check_hyperparameters(index, group)
+        for p in group["params"]:
+            if p.grad is not None:
+                check_tensor(p, "parameter")
+                check_tensor(p.grad, "gradient")
+                if optimizer.state.get(p):
+                    check_entry(p, optimizer.state[p], group)
+    return loss
+
+
 def check_hyperparameters(index: int, group: dict) -> None:
     """Refuse, before any update of the step, a hyperparameter the fused update cannot use.
 
