@@ -225,6 +225,10 @@ _BNB_ARGS = {"amsgrad": False, "optim_bits": 8, "args": None, "percentile_clippi
              "block_wise": True, "is_paged": None, "fused": None, "foreach": None}
 # bitsandbytes' group keys for other optimizers of its family, and the value meaning AdamW.
 _BNB_GROUP_KEYS = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}
+# torch's Adam(W) group keys, and the value meaning this update (a torch checkpoint's entries
+# are refused anyway; its groups must not carry settings this update would silently drop).
+_TORCH_GROUP_KEYS = {"maximize": False, "capturable": False, "differentiable": False,
+                     "decoupled_weight_decay": True}
 
 
 class AdamW8bit(Optimizer, InnerOptimizer):
@@ -376,9 +380,12 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         """Group ``i`` as this optimizer takes it: bitsandbytes' keys of other updates must
         mean AdamW (and go), its own settings are checked by the constructor and finite."""
         hyper = {k: v for k, v in saved.items() if k != "params"}
-        for key, want in {**_BNB_GROUP_KEYS, **{k: v for k, v in _BNB_ARGS.items() if v is not None}}.items():
+        refused = {**_BNB_GROUP_KEYS, **{k: v for k, v in _BNB_ARGS.items() if v is not None}, **_TORCH_GROUP_KEYS}
+        for key, want in refused.items():
             if key in hyper:
                 value = hyper.pop(key)
+                if key == "decoupled_weight_decay" and _means(hyper.get("weight_decay"), 0.0):
+                    continue  # (without decay, Adam and AdamW are the same update)
                 if not _means(value, want):
                     raise ValueError(
                         f"parameter group {i} of the state dict has {key}={value!r:.40}, which bitsandbytes' "
@@ -413,9 +420,8 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         Raises:
             ValueError: naming ``where`` and the key, saying what is wrong and what to do.
         """
-        sharded = param in self._full_shapes
-        if sharded:
-            return self._shard_entry(where, entry, param)
+        if param in self._full_shapes:
+            return self._shard_entry(where, entry, param, group)
         if bnb_state.WRAPPED not in entry and "absmax1" in entry and not {"qmap1", "qmap2"} & entry.keys():
             # (this class's live layout, as CPUOffloadOptimizer hands a checked entry on: its maps)
             entry = dict(entry, qmap1=dynamic_map(True), qmap2=dynamic_map(False))
@@ -435,9 +441,9 @@ class AdamW8bit(Optimizer, InnerOptimizer):
             out[f"absmax{k}"] = read.tensors[f"absmax{k}"]
         return out
 
-    def _shard_entry(self, where: str, entry: Mapping, param: torch.Tensor) -> dict:
+    def _shard_entry(self, where: str, entry: Mapping, param: torch.Tensor, group: dict) -> dict:
         """A shard's entry as saved_entry writes it: step, state1/state2, and per-row absmax."""
-        eight = self._is_8bit_when_new(param, self.param_groups[0]) and any(
+        eight = self._is_8bit_when_new(param, group) and any(
             isinstance(entry.get(k), torch.Tensor) and entry[k].dtype == torch.uint8 for k in ("state1", "state2"))
         want = {"state1": (torch.uint8 if eight else torch.float32, tuple(param.shape)),
                 "state2": (torch.uint8 if eight else torch.float32, tuple(param.shape))}

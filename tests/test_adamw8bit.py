@@ -298,6 +298,9 @@ def _corruptions():
         "unwrapped with an extra key": (lambda sd: sd["state"][BIG].update(extra=1), "has the keys"),
         "AdEMAMix group": (lambda sd: sd["param_groups"][0].update(alpha=5.0), "alpha=5.0.*AdEMAMix"),
         "amsgrad group": (lambda sd: sd["param_groups"][0].update(amsgrad=True), "amsgrad=True"),
+        "maximize group (torch's key)": (lambda sd: sd["param_groups"][0].update(maximize=True), "maximize=True"),
+        "Adam's L2 decay (torch's key)": (lambda sd: sd["param_groups"][0].update(decoupled_weight_decay=False),
+                                          "decoupled_weight_decay=False"),
         "an unknown parameter index": (lambda sd: sd["state"].update({99: sd["state"][BIG]}), "99"),
     }
 
