@@ -127,14 +127,14 @@ class StagingRing:
         self.in_flight_bytes = 0
 
     def reserve(self, dtype, numel: int, layout=None) -> None:
-        """Buffers of at least ``numel`` elements (grown by doubling, at most STAGE_NUMEL:
-        units are never larger). ``dtype`` names the pool; ``layout(numel)``, if given,
-        lists the pair's (size, dtype) (compact_streamed.stage_layout), else two buffers
-        of ``numel`` elements of ``dtype``."""
+        """Buffers of at least ``numel`` elements (grown by doubling up to STAGE_NUMEL, or
+        to a larger unit's size: StateFormat.stage_scale). ``dtype`` names the pool;
+        ``layout(numel)``, if given, lists the pair's (size, dtype)
+        (compact_streamed.stage_layout), else two buffers of ``numel`` elements of ``dtype``."""
         have = self.numel.get(dtype, 0)
         if numel <= have or not self.is_async:
             return
-        numel = min(max(numel, 2 * have), STAGE_NUMEL)
+        numel = max(numel, min(2 * have, STAGE_NUMEL))
         shapes = layout(numel) if layout is not None else [(numel, dtype)] * 2
         pairs = []
         for _ in range(RING_SIZE):
@@ -477,7 +477,7 @@ class StreamedEngine(Engine):
         group_of = [index_of[id(s.param)] for s in slots]
         fmt = self.format
         entries = fmt.entries(self.inner, slots, group_of, pin=ring.is_async and self.arena.pin)
-        units = fmt.cut(slots, entries, group_of, STAGE_NUMEL)
+        units = fmt.cut(slots, entries, group_of, STAGE_NUMEL * fmt.stage_scale)
         for unit in units:
             fmt.reserve(ring, unit)
         if fmt.watches_weights:
@@ -580,13 +580,21 @@ def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
         torch._foreach_add_(steps, 1)
         args = _args_on_device(jobs, ring)
     filling: dict = {}  # pool -> (buffer index, elements used, bytes used): small units share a buffer
-    for job, found, job_args in zip(jobs, each, args):
-        fmt = job.owner.format
-        for unit, arg in zip(job.plan.units, job_args):
-            _run_unit(fmt, unit, job, ring, found, arg, filling)
-        if fmt.watches_weights:  # (our own writes leave the version counters as they were)
-            for slot in job.plan.slots:
-                job.owner._weights.matched(slot.order, slot.param)
+    # The units switch the current stream by hand (see _run_unit); the caller's is restored.
+    caller = (torch.cuda.current_device(), torch.cuda.current_stream(ring.device)) if ring.is_async else None
+    try:
+        for job, found, job_args in zip(jobs, each, args):
+            fmt = job.owner.format
+            for unit, arg in zip(job.plan.units, job_args):
+                _run_unit(fmt, unit, job, ring, found, arg, filling)
+            if fmt.watches_weights:  # (our own writes leave the version counters as they were)
+                for slot in job.plan.slots:
+                    job.owner._weights.matched(slot.order, slot.param)
+    finally:
+        if caller is not None:
+            torch.cuda.set_stream(caller[1])
+            if caller[0] != ring.device.index:
+                torch.cuda.set_device(caller[0])
     for pool, (index, *_) in filling.items():
         ring.release(pool, index)
     with _on(ring.update):
@@ -637,14 +645,17 @@ def _run_unit(fmt, unit, job: _Job, ring: StagingRing, found: torch.Tensor, arg,
         index, used, used_bytes = ring.take(pool), 0, 0
     filling[pool] = (index, used + -(-numel // ALIGN) * ALIGN, used_bytes + nbytes)
     views = fmt.staged_views(unit, ring, index, used, used_bytes)
-    with torch.cuda.stream(ring.load):
-        fmt.stage_in(unit, views)
+    # The current stream is set by hand, not by ``with torch.cuda.stream(...)``: the three
+    # contexts cost a third of a unit's host time (on the autograd thread, inside a backward).
+    # _run_jobs restores the caller's stream.
+    torch.cuda.set_stream(ring.load)
+    fmt.stage_in(unit, views)
     ring.update.wait_event(record(ring.load))
-    with torch.cuda.stream(ring.update):
-        fmt.update(unit, views, job.grads, job.plan.steps, found, arg)
-    ring.store.wait_stream(ring.update)
-    with torch.cuda.stream(ring.store):
-        fmt.stage_out(unit, views)
+    torch.cuda.set_stream(ring.update)
+    fmt.update(unit, views, job.grads, job.plan.steps, found, arg)
+    ring.store.wait_event(record(ring.update))
+    torch.cuda.set_stream(ring.store)
+    fmt.stage_out(unit, views)
 
 
 def _verdicts(jobs: list[_Job]) -> tuple[list, torch.Tensor]:

@@ -132,7 +132,7 @@ def test_through_the_offload_optimizer_it_is_bitsandbytes(monkeypatch, streaming
     bnb = _bnb()
     monkeypatch.setattr(streamed, "ENABLED", streaming)
     monkeypatch.setattr(streamed, "_ON_CPU", streaming)
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 512)  # (8-bit units of 2048 elements: stage_scale)
     ps, qs = _params(), [nn.Parameter(p) for p in _params()]
     theirs = bnb.optim.AdamW8bit(ps, lr=LR)
     ours = _offloaded(qs)
@@ -143,6 +143,36 @@ def test_through_the_offload_optimizer_it_is_bitsandbytes(monkeypatch, streaming
     ours.finish_step()
     _assert_same_weights(ps, qs)
     _assert_same_state_dicts(theirs.state_dict(), ours.state_dict())
+
+
+def test_a_unit_of_a_whole_parameter_is_staged_in_two_copies_each_way(monkeypatch):
+    """The host state of a unit holding a whole parameter lies side by side (the two scales,
+    the two codes, for a parameter of whole 4096-element lines of scales): two copies each
+    way, each landing where the kernel reads each part; a unit of a range of a larger
+    parameter takes four."""
+    from offload_plugin import adamw8bit_streamed
+
+    monkeypatch.setattr(streamed, "ENABLED", True)
+    monkeypatch.setattr(streamed, "_ON_CPU", True)
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 1024)  # (8-bit units of 4096 elements)
+    torch.manual_seed(0)
+    qs = [nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in ((32, 128), (64, 128))]
+    opt = _offloaded(qs)
+    for p in qs:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    units = [u for plan in opt.engine._plans.values() for u in plan.units if u.eight_bit]
+    counts = {}
+    for unit in units:
+        raw = torch.zeros(adamw8bit_streamed.stage_layout(8192)[1][0], dtype=torch.uint8)
+        staged = adamw8bit_streamed._stage_views(unit, raw, 64)
+        copies = adamw8bit_streamed._copies(staged, unit.host)
+        for to, source in copies:
+            to.copy_(source)
+        assert all(torch.equal(s, h) for s, h in zip(staged, unit.host))
+        whole = unit.numel == unit.slot.param.numel()
+        counts.setdefault(whole, set()).add(len(copies))
+    assert counts == {True: {2}, False: {4}}, counts
 
 
 def test_a_nonfinite_step_is_skipped_by_the_streamed_update_as_by_the_host_update(monkeypatch):
@@ -194,7 +224,7 @@ def test_stochastic_rounding_streamed_is_the_host_update_bit_for_bit(monkeypatch
     for streaming in (False, True):
         monkeypatch.setattr(streamed, "ENABLED", streaming)
         monkeypatch.setattr(streamed, "_ON_CPU", streaming)
-        monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
+        monkeypatch.setattr(streamed, "STAGE_NUMEL", 512)  # (8-bit units of 2048 elements: stage_scale)
         qs = [nn.Parameter(p) for p in _params()]
         opt = _offloaded(qs, stochastic_rounding=True, min_8bit_size=1024)
         for step in range(4):
@@ -416,7 +446,7 @@ def test_gpu_streamed_adamw8bit_has_the_host_updates_bits(monkeypatch, min_8bit_
     host update on the same gradients (an inf in one at step 2: skipped): every weight and
     state byte, the 32-bit kernel too (min_8bit_size=4096; 10**6: every tensor in 32 bits,
     the large ones in ranges a staging pair holds)."""
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 512)  # (8-bit units of 2048 elements: stage_scale)
     results = []
     for device in ("cpu", "cuda"):
         monkeypatch.setattr(streamed, "_ON_CPU", device == "cpu")

@@ -1,0 +1,278 @@
+"""Where an in-backward step's time goes, on the GPU's streams and on the thread that runs
+the gradient hooks: Llama-3.1-8B's shapes (``--layers`` decoder layers, random init, bf16,
+activation checkpointing, torchtune's chunked cross-entropy), each parameter stepped from
+its gradient's hook as ``torchtune.training.register_optim_in_bwd_hooks`` does, the GPU
+capped at ``--cap-gib``.
+
+Per run: the median step after two warm-up steps; the host seconds per step inside the
+hooks' ``step()`` calls, split into the streamed engine's queueing of GPU work
+(``streamed._run_jobs``) and its waits for the update stream (``StagingRing.hold``, the
+bound on gradients in flight); flushes and units per step. With ``--profile``, one more
+step under torch.profiler (CUDA activity): per stream the busy seconds, the span of the
+backward's compute kernels, the tail from the last compute kernel to the last copy, and the
+busy share of the compute stream, of the copies each way and of the update kernels in bins
+of the step.
+
+    python bench/inbwd_timeline.py --layers 32 --cap-gib 24 --profile adamw8bit \\
+        --json /tmp/inbwd_timeline.json          # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offload_plugin import CPUOffloadOptimizer, streamed  # noqa: E402
+
+GIB = 1 << 30
+# name -> (optimizer kwargs, or None for no update, or "gpu" for torch's fused AdamW on the GPU;
+#          streamed module settings to run it with)
+RUNS = {
+    "none": (None, {}),
+    "gpu_adamw": ("gpu", {}),
+    "default": ({}, {}),
+    "adamw8bit": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {}),
+    "adamw8bit_flush128m": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"FLUSH_NUMEL": 1 << 27}),
+    "adamw8bit_inflight2g": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"IN_FLIGHT_BYTES": 2 * GIB}),
+    "adamw8bit_inflight4g": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"IN_FLIGHT_BYTES": 4 * GIB}),
+    "default_inflight4g": ({}, {"IN_FLIGHT_BYTES": 4 * GIB}),
+    "compact": (dict(optimizer_cls="offload_plugin.CompactAdamW"), {}),
+}
+
+
+def build(layers: int) -> torch.nn.Module:
+    from torchtune.models.llama3_1 import llama3_1
+    from torchtune.modules import TransformerSelfAttentionLayer
+    from torchtune.training import set_activation_checkpointing
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = llama3_1(vocab_size=128_256, num_layers=layers, num_heads=32, num_kv_heads=8, embed_dim=4096,
+                         max_seq_len=8192, intermediate_dim=14336).to(torch.bfloat16)
+    set_activation_checkpointing(model, auto_wrap_policy={TransformerSelfAttentionLayer})
+    model.set_num_output_chunks(8)
+    return model
+
+
+class Timers:
+    """Host seconds inside the hooks, inside _run_jobs and inside hold (bench-side wrappers)."""
+
+    def __init__(self) -> None:
+        self.s = dict(step=0.0, run_jobs=0.0, hold=0.0)
+        self.n = dict(step=0, run_jobs=0, units=0)
+        run_jobs, hold = streamed._run_jobs, streamed.StagingRing.hold
+
+        def timed_run_jobs(ring, jobs):
+            t = time.perf_counter()
+            try:
+                return run_jobs(ring, jobs)
+            finally:
+                self.s["run_jobs"] += time.perf_counter() - t
+                self.n["run_jobs"] += 1
+                self.n["units"] += sum(len(job.plan.units) for job in jobs)
+
+        def timed_hold(ring, nbytes):
+            t = time.perf_counter()
+            try:
+                return hold(ring, nbytes)
+            finally:
+                self.s["hold"] += time.perf_counter() - t
+
+        streamed._run_jobs, streamed.StagingRing.hold = timed_run_jobs, timed_hold
+
+    def reset(self) -> None:
+        for d in (self.s, self.n):
+            for k in d:
+                d[k] = 0
+
+
+def profile_step(step) -> dict:
+    """One step under torch.profiler (CUDA activity only): per stream busy seconds and
+    the binned busy shares."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+    events = []
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type().name != "CUDA":
+            continue
+        name = e.name()
+        kind = ("h2d" if "HtoD" in name else "d2h" if "DtoH" in name else "memcpy" if "Memcpy" in name
+                else "memset" if "Memset" in name else "kernel")
+        events.append((e.start_ns(), e.start_ns() + e.duration_ns(), e.device_resource_id(), kind, name))
+    if not events:
+        return {"profile": "no CUDA events"}
+    t0 = min(e[0] for e in events)
+    streams: dict = {}
+    for start, end, stream, kind, name in events:
+        s = streams.setdefault(stream, {"busy_s": 0.0, "count": 0, "kinds": {}})
+        s["busy_s"] += (end - start) / 1e9
+        s["count"] += 1
+        s["kinds"][kind] = s["kinds"].get(kind, 0) + 1
+    # The compute stream: the one with the most kernels that are not ours (triton update kernels).
+    ours = lambda n: "update" in n or "adam" in n.lower()  # noqa: E731
+    per_stream_kernels: dict = {}
+    for start, end, stream, kind, name in events:
+        if kind == "kernel" and not ours(name):
+            per_stream_kernels[stream] = per_stream_kernels.get(stream, 0) + 1
+    compute = max(per_stream_kernels, key=per_stream_kernels.get)
+    compute_k = [(a, b) for a, b, s, k, n in events if s == compute and k == "kernel"]
+    last_compute = max(b for a, b in compute_k)
+    last_any = max(e[1] for e in events)
+    first_copy = min((a for a, b, s, k, n in events if k in ("h2d", "d2h")), default=None)
+    out = {
+        "profiled_span_s": (last_any - t0) / 1e9,
+        "compute_stream": compute,
+        "compute_busy_s": sum(b - a for a, b in compute_k) / 1e9,
+        "compute_last_end_s": (last_compute - t0) / 1e9,
+        "first_copy_s": None if first_copy is None else (first_copy - t0) / 1e9,
+        "tail_after_compute_s": (last_any - last_compute) / 1e9,
+        "streams": {str(k): v for k, v in streams.items()},
+    }
+    width = 0.02e9
+    nbins = int((last_any - t0) // width) + 1
+    bins = {k: [0.0] * nbins for k in ("compute", "update_kernels", "h2d", "d2h")}
+    for start, end, stream, kind, name in events:
+        key = ("h2d" if kind == "h2d" else "d2h" if kind == "d2h" else
+               "compute" if (kind == "kernel" and stream == compute) else
+               "update_kernels" if kind == "kernel" else None)
+        if key is None:
+            continue
+        a = start - t0
+        while a < end - t0:
+            i = int(a // width)
+            b = min(end - t0, (i + 1) * width)
+            bins[key][i] += (b - a) / width
+            a = b
+    out["bins_20ms"] = {k: [round(min(x, 9.99), 2) for x in v] for k, v in bins.items()}
+    return out
+
+
+def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, profile: bool) -> dict:
+    from torchtune.modules.loss import CEWithChunkedOutputLoss
+
+    kwargs, settings = RUNS[name]
+    saved = {k: getattr(streamed, k) for k in settings}
+    for k, v in settings.items():
+        setattr(streamed, k, v)
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = 1.0 if (cap_gib is None or kwargs == "gpu") else min(1.0, cap_gib * GIB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    torch.cuda.reset_peak_memory_stats()
+    host = {"s": 0.0}
+    handles = []
+    params = [p for p in model.parameters() if p.requires_grad]
+    optims = {}
+    if kwargs is not None:
+        for p in params:
+            optims[p] = (torch.optim.AdamW([p], lr=1e-5, fused=True) if kwargs == "gpu"
+                         else CPUOffloadOptimizer([p], lr=1e-5, **kwargs))
+
+        def hook(p, optimizer):
+            t = time.perf_counter()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            host["s"] += time.perf_counter() - t
+            timers.n["step"] += 1
+
+        for p, opt in optims.items():
+            handles.append(p.register_post_accumulate_grad_hook(functools.partial(hook, optimizer=opt)))
+    else:
+        for p in params:
+            handles.append(p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)))
+    loss_fn = CEWithChunkedOutputLoss()
+    batch = tokens // 2048
+    times, rows = [], []
+
+    def one_step():
+        ids = torch.randint(0, 128_256, (batch, 2048), device="cuda")
+        logits = model(ids)
+        loss = loss_fn(logits, ids)
+        del logits
+        loss.backward()
+        torch.cuda.synchronize()
+
+    out = {"run": name, "tokens": tokens, "gpu_cap_gib": None if fraction == 1.0 else cap_gib}
+    try:
+        for i in range(steps + 2):
+            torch.cuda.synchronize()
+            host["s"] = 0.0
+            timers.reset()
+            start = time.perf_counter()
+            one_step()
+            if i >= 2:
+                times.append(time.perf_counter() - start)
+                rows.append(dict(host_in_step_s=host["s"], run_jobs_s=timers.s["run_jobs"], hold_s=timers.s["hold"],
+                                 flushes=timers.n["run_jobs"], units=timers.n["units"], step_calls=timers.n["step"]))
+        out["step_s"] = statistics.median(times)
+        out["step_times"] = times
+        out["tokens_per_s"] = tokens / out["step_s"]
+        for k in rows[0]:
+            out[k] = statistics.median(r[k] for r in rows)
+        out["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+        if profile:
+            out.update(profile_step(one_step))
+    except torch.OutOfMemoryError as err:
+        out["failed"] = f"OutOfMemoryError: {str(err)[:160]}"
+    finally:
+        for h in handles:
+            h.remove()
+        for k, v in saved.items():
+            setattr(streamed, k, v)
+        for opt in optims.values():
+            if hasattr(opt, "finish_step"):
+                opt.finish_step()
+        del optims
+        for p in params:
+            p.grad = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--cap-gib", type=float, default=24.0)
+    p.add_argument("--runs", default="none,gpu_adamw,adamw8bit,default")
+    p.add_argument("--profile", default="", help="comma-separated runs to profile one more step of")
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args()
+    model = build(args.layers)
+    timers = Timers()
+    profiled = set(filter(None, args.profile.split(",")))
+    rows = []
+    for name in args.runs.split(","):
+        rows.append(measure(name, model, args.tokens, args.steps, args.cap_gib, timers, name in profiled))
+        r = rows[-1]
+        print(json.dumps({k: v for k, v in r.items() if k not in ("bins_20ms", "streams")}), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"kind": "inbwd_timeline", "layers": args.layers, "rows": rows},
+                                            indent=1) + "\n")
+    base = next((r for r in rows if r["run"] == "gpu_adamw" and "step_s" in r), None)
+    print("| run | GPU cap | step s | vs GPU AdamW | host s in hooks | of which queueing | waiting | flushes | units |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "step_s" not in r:
+            print(f"| {r['run']} | {r['failed']} |")
+            continue
+        ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
+        print(f"| {r['run']} | {r['gpu_cap_gib'] or 'none'} | {r['step_s']:.3f} | {ratio} | {r['host_in_step_s']:.3f} "
+              f"| {r['run_jobs_s']:.3f} | {r['hold_s']:.3f} | {r['flushes']:.0f} | {r['units']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
