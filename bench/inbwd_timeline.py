@@ -8,10 +8,8 @@ Per run: the median step after two warm-up steps; the host seconds per step insi
 hooks' ``step()`` calls, split into the streamed engine's queueing of GPU work
 (``streamed._run_jobs``) and its waits for the update stream (``StagingRing.hold``, the
 bound on gradients in flight); flushes and units per step. With ``--profile``, one more
-step under torch.profiler (CUDA activity): per stream the busy seconds, the span of the
-backward's compute kernels, the tail from the last compute kernel to the last copy, and the
-busy share of the compute stream, of the copies each way and of the update kernels in bins
-of the step.
+step under torch.profiler (CUDA activity): per stream the busy seconds and the count of
+kernels and copies, and the tail from the last compute kernel to the last copy.
 
     python bench/inbwd_timeline.py --layers 32 --cap-gib 24 --profile adamw8bit \\
         --json /tmp/inbwd_timeline.json          # on the GPU machine
@@ -32,11 +30,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offload_plugin import CPUOffloadOptimizer, streamed  # noqa: E402
+from offload_plugin import CPUOffloadOptimizer, adamw8bit_streamed, streamed  # noqa: E402
 
 GIB = 1 << 30
 # name -> (optimizer kwargs, or None for no update, or "gpu" for torch's fused AdamW on the GPU;
-#          streamed module settings to run it with)
+#          streamed module settings to run it with, "uncapped": no GPU cap, "stage_scale": AdamW8bit's)
 RUNS = {
     "none": (None, {}),
     "gpu_adamw": ("gpu", {}),
@@ -46,6 +44,13 @@ RUNS = {
     "adamw8bit_inflight2g": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"IN_FLIGHT_BYTES": 2 * GIB}),
     "adamw8bit_inflight4g": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"IN_FLIGHT_BYTES": 4 * GIB}),
     "default_inflight4g": ({}, {"IN_FLIGHT_BYTES": 4 * GIB}),
+    "adamw8bit_uncapped": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"uncapped": True}),
+    "adamw8bit_flush64m": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"FLUSH_NUMEL": 1 << 26}),
+    "adamw8bit_scale8": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"stage_scale": 8}),
+    "adamw8bit_scale8_flush64m": (dict(optimizer_cls="offload_plugin.AdamW8bit"),
+                                  {"stage_scale": 8, "FLUSH_NUMEL": 1 << 26}),
+    "adamw8bit_scale8_inflight2g": (dict(optimizer_cls="offload_plugin.AdamW8bit"),
+                                    {"stage_scale": 8, "IN_FLIGHT_BYTES": 2 * GIB}),
     "compact": (dict(optimizer_cls="offload_plugin.CompactAdamW"), {}),
 }
 
@@ -97,8 +102,7 @@ class Timers:
 
 
 def profile_step(step) -> dict:
-    """One step under torch.profiler (CUDA activity only): per stream busy seconds and
-    the binned busy shares."""
+    """One step under torch.profiler (CUDA activity only): per stream busy seconds."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -140,34 +144,22 @@ def profile_step(step) -> dict:
         "tail_after_compute_s": (last_any - last_compute) / 1e9,
         "streams": {str(k): v for k, v in streams.items()},
     }
-    width = 0.02e9
-    nbins = int((last_any - t0) // width) + 1
-    bins = {k: [0.0] * nbins for k in ("compute", "update_kernels", "h2d", "d2h")}
-    for start, end, stream, kind, name in events:
-        key = ("h2d" if kind == "h2d" else "d2h" if kind == "d2h" else
-               "compute" if (kind == "kernel" and stream == compute) else
-               "update_kernels" if kind == "kernel" else None)
-        if key is None:
-            continue
-        a = start - t0
-        while a < end - t0:
-            i = int(a // width)
-            b = min(end - t0, (i + 1) * width)
-            bins[key][i] += (b - a) / width
-            a = b
-    out["bins_20ms"] = {k: [round(min(x, 9.99), 2) for x in v] for k, v in bins.items()}
     return out
 
 
 def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, profile: bool) -> dict:
     from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-    kwargs, settings = RUNS[name]
+    kwargs, settings = RUNS[name][0], dict(RUNS[name][1])
+    uncapped = settings.pop("uncapped", False)
+    scale = settings.pop("stage_scale", None)  # (AdamW8bit's units: StateFormat.stage_scale)
+    if scale is not None:
+        adamw8bit_streamed.FORMAT.stage_scale = scale
     saved = {k: getattr(streamed, k) for k in settings}
     for k, v in settings.items():
         setattr(streamed, k, v)
     total = torch.cuda.get_device_properties(0).total_memory
-    fraction = 1.0 if (cap_gib is None or kwargs == "gpu") else min(1.0, cap_gib * GIB / total)
+    fraction = 1.0 if (cap_gib is None or kwargs == "gpu" or uncapped) else min(1.0, cap_gib * GIB / total)
     torch.cuda.set_per_process_memory_fraction(fraction)
     torch.cuda.reset_peak_memory_stats()
     host = {"s": 0.0}
@@ -195,26 +187,45 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
     batch = tokens // 2048
     times, rows = [], []
 
+    marks = {}
+
     def one_step():
+        marks["start"] = time.perf_counter()
         ids = torch.randint(0, 128_256, (batch, 2048), device="cuda")
         logits = model(ids)
         loss = loss_fn(logits, ids)
         del logits
+        marks["forward"] = time.perf_counter()
         loss.backward()
+        marks["backward"] = time.perf_counter()
         torch.cuda.synchronize()
 
     out = {"run": name, "tokens": tokens, "gpu_cap_gib": None if fraction == 1.0 else cap_gib}
+    collecting = {"s": 0.0, "at": None}
+
+    def on_gc(phase, info):  # (Python's collections: they hold the thread that launches kernels)
+        if phase == "start":
+            collecting["at"] = time.perf_counter()
+        elif collecting["at"] is not None:
+            collecting["s"] += time.perf_counter() - collecting["at"]
+
+    gc.callbacks.append(on_gc)
     try:
         for i in range(steps + 2):
             torch.cuda.synchronize()
             host["s"] = 0.0
+            collecting["s"] = 0.0
             timers.reset()
+            retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
             start = time.perf_counter()
             one_step()
             if i >= 2:
                 times.append(time.perf_counter() - start)
                 rows.append(dict(host_in_step_s=host["s"], run_jobs_s=timers.s["run_jobs"], hold_s=timers.s["hold"],
-                                 flushes=timers.n["run_jobs"], units=timers.n["units"], step_calls=timers.n["step"]))
+                                 flushes=timers.n["run_jobs"], units=timers.n["units"], step_calls=timers.n["step"],
+                                 forward_host_s=marks["forward"] - marks["start"],
+                                 backward_host_s=marks["backward"] - marks["forward"], gc_s=collecting["s"],
+                                 alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries))
         out["step_s"] = statistics.median(times)
         out["step_times"] = times
         out["tokens_per_s"] = tokens / out["step_s"]
@@ -226,10 +237,13 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
     except torch.OutOfMemoryError as err:
         out["failed"] = f"OutOfMemoryError: {str(err)[:160]}"
     finally:
+        gc.callbacks.remove(on_gc)
         for h in handles:
             h.remove()
         for k, v in saved.items():
             setattr(streamed, k, v)
+        if scale is not None:
+            del adamw8bit_streamed.FORMAT.stage_scale
         for opt in optims.values():
             if hasattr(opt, "finish_step"):
                 opt.finish_step()
@@ -258,20 +272,22 @@ def main() -> None:
     for name in args.runs.split(","):
         rows.append(measure(name, model, args.tokens, args.steps, args.cap_gib, timers, name in profiled))
         r = rows[-1]
-        print(json.dumps({k: v for k, v in r.items() if k not in ("bins_20ms", "streams")}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k != "streams"}), flush=True)
         if args.json:
             args.json.write_text(json.dumps({"kind": "inbwd_timeline", "layers": args.layers, "rows": rows},
                                             indent=1) + "\n")
     base = next((r for r in rows if r["run"] == "gpu_adamw" and "step_s" in r), None)
-    print("| run | GPU cap | step s | vs GPU AdamW | host s in hooks | of which queueing | waiting | flushes | units |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| run | GPU cap | step s | vs GPU AdamW | host s in hooks | of which queueing | waiting | flushes | units "
+          "| forward host s | gc s | allocator retries |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_s" not in r:
             print(f"| {r['run']} | {r['failed']} |")
             continue
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
         print(f"| {r['run']} | {r['gpu_cap_gib'] or 'none'} | {r['step_s']:.3f} | {ratio} | {r['host_in_step_s']:.3f} "
-              f"| {r['run_jobs_s']:.3f} | {r['hold_s']:.3f} | {r['flushes']:.0f} | {r['units']:.0f} |")
+              f"| {r['run_jobs_s']:.3f} | {r['hold_s']:.3f} | {r['flushes']:.0f} | {r['units']:.0f} "
+              f"| {r['forward_host_s']:.3f} | {r['gc_s']:.3f} | {r['alloc_retries']:.0f} |")
 
 
 if __name__ == "__main__":

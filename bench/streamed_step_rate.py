@@ -41,7 +41,7 @@ OPTIMIZERS = {
 }
 
 
-def measure(name: str, layers: int, steps: int) -> dict:
+def measure(name: str, layers: int, steps: int, host_profile: bool = False) -> dict:
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16) * 0.02)
               for _ in range(layers) for s in LAYER]
@@ -58,6 +58,22 @@ def measure(name: str, layers: int, steps: int) -> dict:
             times.append(time.perf_counter() - start)
     out = {"optimizer": name, "numel": sum(p.numel() for p in params), "step_s": statistics.median(times),
            "step_s_all": times, **(bus.streamed_bytes(opt) or {})}
+    if host_profile:  # one more step's host time under cProfile: where step()'s Python goes
+        import cProfile
+        import io
+        import pstats
+
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        start = time.perf_counter()
+        prof.enable()
+        opt.step()
+        prof.disable()
+        out["host_s"] = time.perf_counter() - start
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        out["host_profile"] = text.getvalue()
     del opt, params
     gc.collect()
     torch.cuda.empty_cache()
@@ -69,10 +85,15 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8, help="Llama-3.1-8B layers' worth of weights (0.22 G each)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    p.add_argument("--host-profile", action="store_true",
+                   help="profile one more step's host time (cProfile) and print where it goes")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     link = bus.bandwidth(4.0)
-    rows = [measure(name, args.layers, args.steps) for name in args.optimizers.split(",")]
+    rows = [measure(name, args.layers, args.steps, args.host_profile) for name in args.optimizers.split(",")]
+    for row in rows:
+        if "host_profile" in row:
+            print(f"## {row['optimizer']}: host {row['host_s']:.4f} s in one step()\n{row['host_profile']}")
     print(f"pinned copies both ways at once: {link['both_GBps_each_way']} GB/s each way "
           f"(h2d alone {link['h2d_GBps']}, d2h alone {link['d2h_GBps']})")
     print("| optimizer | parameters | bytes each way per step | step s | bus floor s | bus used |")
