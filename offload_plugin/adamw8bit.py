@@ -46,6 +46,7 @@ import torch
 from torch.optim import Optimizer
 
 from offload_plugin import bnb_state, host_update, loading
+from offload_plugin.block_layout import BlockLayout
 from offload_plugin.inner import InnerOptimizer
 
 __all__ = ["AdamW8bit", "BLOCK", "MIN_8BIT_SIZE", "dynamic_map", "quantize_", "dequantize",
@@ -274,36 +275,21 @@ class AdamW8bit(Optimizer, InnerOptimizer):
             raise ValueError(f"min_8bit_size must be a whole number >= 0; got {min_8bit_size!r:.40}")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       min_8bit_size=min_8bit_size, stochastic_rounding=bool(stochastic_rounding)))
-        self._full_shapes: dict = {}  # one rank's rows of a sharded parameter -> its full shape
+        self._blocks = BlockLayout(BLOCK)  # (which parameters are FSDP2 shards, and their full shapes)
 
     def __getstate__(self) -> dict:
-        return dict(super().__getstate__(), _full_shapes=self._full_shapes)
+        return dict(super().__getstate__(), _full_shapes=self._blocks.full_shapes)
 
     def __setstate__(self, state: dict) -> None:
         full_shapes = state.pop("_full_shapes", {})
         super().__setstate__(state)
-        self._full_shapes = dict(full_shapes)
+        self._blocks = BlockLayout(BLOCK, full_shapes)
 
     # -- layout
     def shard_of(self, p: torch.Tensor, full_shape) -> None:
-        """``p`` is this rank's rows (FSDP2) of a parameter of ``full_shape``: 8-bit only if
-        the full parameter has at least ``min_8bit_size`` elements in rows of whole blocks
-        (its block scales are then kept per row, ``(rows, blocks per row)``, and shard by
-        rows), else fp32 moments, so that every rank and a resharded checkpoint agree."""
-        self._full_shapes[p] = torch.Size(full_shape)
-
-    def _is_8bit_when_new(self, p: torch.Tensor, group: dict) -> bool:
-        floor = group.get("min_8bit_size", MIN_8BIT_SIZE)
-        full = self._full_shapes.get(p)
-        if full is None:
-            return p.numel() >= floor
-        return len(full) >= 2 and math.prod(full) >= floor and math.prod(full[1:]) % BLOCK == 0
-
-    def _scale_shape(self, p: torch.Tensor) -> tuple:
-        full = self._full_shapes.get(p)
-        if full is None:
-            return (-(-p.numel() // BLOCK),)
-        return (p.shape[0], math.prod(full[1:]) // BLOCK)
+        """``p`` is this rank's rows (FSDP2) of a parameter of ``full_shape``: its state takes
+        the layout every rank agrees on (offload_plugin.block_layout)."""
+        self._blocks.shard_of(p, full_shape)
 
     def init_state(self, p: torch.Tensor, group: dict, empty: Callable = torch.empty) -> dict:
         """``p``'s state entry, made (zeros) if it has none, in tensors from
@@ -312,8 +298,8 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         if entry:
             return entry
         entry["step"] = torch.zeros((), dtype=torch.float32)
-        if self._is_8bit_when_new(p, group):
-            scales = self._scale_shape(p)
+        if self._blocks.eight_bit_when_new(p, group.get("min_8bit_size", MIN_8BIT_SIZE)):
+            scales = self._blocks.scale_shape(p)
             entry.update(state1=empty(p.shape, dtype=torch.uint8).zero_(),
                          state2=empty(p.shape, dtype=torch.uint8).zero_(),
                          absmax1=empty(scales, dtype=torch.float32).zero_(),
@@ -359,7 +345,7 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         without maps, each tensor shaped by the parameter's rows, as a sharded checkpoint
         needs (bitsandbytes cannot read those anyway)."""
         tensors = {k: v for k, v in entry.items() if k != "step"}
-        if p in self._full_shapes:
+        if self._blocks.is_shard(p):
             return dict(tensors, step=entry["step"].clone())
         if tensors.get("state1") is not None and tensors["state1"].dtype == torch.uint8:
             tensors.update(qmap1=dynamic_map(True), qmap2=dynamic_map(False))
@@ -420,7 +406,7 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         Raises:
             ValueError: naming ``where`` and the key, saying what is wrong and what to do.
         """
-        if param in self._full_shapes:
+        if self._blocks.is_shard(param):
             return self._shard_entry(where, entry, param, group)
         if bnb_state.WRAPPED not in entry and "absmax1" in entry and not {"qmap1", "qmap2"} & entry.keys():
             # (this class's live layout, as CPUOffloadOptimizer hands a checked entry on: its maps)
@@ -443,13 +429,13 @@ class AdamW8bit(Optimizer, InnerOptimizer):
 
     def _shard_entry(self, where: str, entry: Mapping, param: torch.Tensor, group: dict) -> dict:
         """A shard's entry as saved_entry writes it: step, state1/state2, and per-row absmax."""
-        eight = self._is_8bit_when_new(param, group) and any(
+        eight = self._blocks.eight_bit_when_new(param, group.get("min_8bit_size", MIN_8BIT_SIZE)) and any(
             isinstance(entry.get(k), torch.Tensor) and entry[k].dtype == torch.uint8 for k in ("state1", "state2"))
         want = {"state1": (torch.uint8 if eight else torch.float32, tuple(param.shape)),
                 "state2": (torch.uint8 if eight else torch.float32, tuple(param.shape))}
         if eight:
-            want.update(absmax1=(torch.float32, self._scale_shape(param)),
-                        absmax2=(torch.float32, self._scale_shape(param)))
+            want.update(absmax1=(torch.float32, self._blocks.scale_shape(param)),
+                        absmax2=(torch.float32, self._blocks.scale_shape(param)))
         if set(entry) != {"step", *want}:
             raise ValueError(f"{where} has the keys {sorted(map(str, entry))}; a sharded AdamW8bit entry holds "
                              f"{sorted(['step', *want])}. {_FIX}")

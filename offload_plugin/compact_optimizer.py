@@ -44,6 +44,7 @@ except ImportError:  # pragma: no cover
     np = None
 
 from offload_plugin import adamw, bnb_state, compact_adam, host_update, loading
+from offload_plugin.block_layout import BlockLayout
 from offload_plugin.inner import InnerOptimizer
 from offload_plugin.weight_sync import WeightTracker, version
 
@@ -124,47 +125,30 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         digest, whichever of model and optimizer was loaded first."""
         self._written = WeightTracker(version)  # (tensors that own their storage)
         self._loaded: dict[torch.Tensor, int] = {}  # p -> digest its loaded remainder needs
-        # One rank's rows of a sharded (FSDP2) parameter -> its full shape (see shard_of).
-        self._full_shapes: dict[torch.Tensor, torch.Size] = {}
+        # Which parameters are FSDP2 shards, and their full shapes (see shard_of).
+        self._blocks = BlockLayout(compact_adam.BLOCK)
 
     def __getstate__(self) -> dict:
         # torch's Optimizer pickles defaults, state and groups only; the records above go
         # along (keyed by the same tensors, so a deep copy or pickle keys the copies).
-        return dict(super().__getstate__(), _loaded=self._loaded, _full_shapes=self._full_shapes)
+        return dict(super().__getstate__(), _loaded=self._loaded, _full_shapes=self._blocks.full_shapes)
 
     def __setstate__(self, state: dict) -> None:
         loaded, full_shapes = state.pop("_loaded", {}), state.pop("_full_shapes", {})
         super().__setstate__(state)
         self._setup_tracking()
         self._loaded.update(loaded)
-        self._full_shapes.update(full_shapes)
+        self._blocks.full_shapes.update(full_shapes)
         for group in self.param_groups:  # (a copy's tensors have counters of their own)
             for p in group["params"]:
                 self._remember_version(p)
 
     def shard_of(self, p: torch.Tensor, full_shape) -> None:
         """``p`` is this rank's rows (a dim-0 shard, as FSDP2 makes) of a parameter of
-        ``full_shape``; CPUOffloadOptimizer says so for DTensor parameters. Its state is then
-        laid out so that every rank agrees and a checkpoint reshards by rows: compact only if
-        the full parameter is at least ``min_8bit_size`` elements of 2 or more dims whose
-        rows are whole blocks of 256 (then the block scales are kept per row, shaped
-        ``(rows, blocks per row)``), else the fp32 layout."""
-        self._full_shapes[p] = torch.Size(full_shape)
-
-    def _compact_when_new(self, p: torch.Tensor, group: dict) -> bool:
-        """Whether a parameter without state gets the compact layout (else the fp32 layout)."""
-        floor = group.get("min_8bit_size", MIN_8BIT_SIZE)
-        full = self._full_shapes.get(p)
-        if full is None:
-            return p.numel() >= floor
-        return len(full) >= 2 and math.prod(full) >= floor and math.prod(full[1:]) % compact_adam.BLOCK == 0
-
-    def _scale_shape(self, p: torch.Tensor) -> tuple:
-        """The shape of ``p``'s block scales: per row for a shard, else one flat run."""
-        full = self._full_shapes.get(p)
-        if full is None:
-            return (-(-p.numel() // compact_adam.BLOCK),)
-        return (p.shape[0], math.prod(full[1:]) // compact_adam.BLOCK)
+        ``full_shape``; CPUOffloadOptimizer says so for DTensor parameters. Its state then
+        takes the layout every rank agrees on and a checkpoint reshards by rows
+        (offload_plugin.block_layout): compact, with block scales per row, or fp32."""
+        self._blocks.shard_of(p, full_shape)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: Optional[float] = None) -> Optional[Any]:
@@ -209,7 +193,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         out the live one) with the digest of ``weight``, the weight its remainder belongs
         to. None for a shard's (one rank's digest cannot stand for a resharded load)."""
         entry = dict(entry)
-        if entry.get("remainder") is not None and p not in self._full_shapes:
+        if entry.get("remainder") is not None and not self._blocks.is_shard(p):
             # (a remainder loaded and not yet matched to its weight still belongs to the one
             # it was saved with)
             digest = self._loaded[p] if p in self._loaded else weight_digest(weight)
@@ -255,12 +239,12 @@ class CompactAdamW(Optimizer, InnerOptimizer):
             return empty(shape, dtype=dtype).fill_(fill)
 
         entry["step"] = torch.zeros((), dtype=torch.float32)
-        if self._compact_when_new(p, group):
+        if self._blocks.eight_bit_when_new(p, group.get("min_8bit_size", MIN_8BIT_SIZE)):
             zero_m = compact_adam.zero_code(signed=True)
             entry.update(exp_avg=zeros(p.shape, torch.uint8, zero_m),
-                         exp_avg_absmax=zeros(self._scale_shape(p), torch.float32),
+                         exp_avg_absmax=zeros(self._blocks.scale_shape(p), torch.float32),
                          exp_avg_sq=zeros(p.shape, torch.uint8),  # code 0 is 0.0 unsigned
-                         exp_avg_sq_absmax=zeros(self._scale_shape(p), torch.float32))
+                         exp_avg_sq_absmax=zeros(self._blocks.scale_shape(p), torch.float32))
         else:
             entry.update(exp_avg=zeros(p.shape, torch.float32), exp_avg_sq=zeros(p.shape, torch.float32))
         if group["master"]:
@@ -357,7 +341,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         for every entry before changing anything. A bitsandbytes entry is converted first
         (_from_bnb_entry). Then each key of the layout (or of _OPTIONAL_ENTRY_KEYS) must have
         its dtype and exact shape: codes, the fp32 layout's moments and the remainder shaped
-        like ``param`` (a shard: its rows here), block scales as _scale_shape gives them (the
+        like ``param`` (a shard: its rows here), block scales as BlockLayout.scale_shape gives them (the
         remainder may come as its bits in bf16, as a sharded checkpoint carries it). Floats
         must be finite, second moments and scales >= 0, and the count a number >= 0 (whole
         in the compact layout, whose update counts whole steps).
@@ -366,8 +350,9 @@ class CompactAdamW(Optimizer, InnerOptimizer):
             ValueError: naming ``where`` and the key, saying what is wrong and what to do.
         """
         if bnb_state.is_bnb_entry(entry):
-            new_compact = self._compact_when_new(param, group)  # (the layout it would get fresh)
-            entry = _from_bnb_entry(where, entry, param, group, self._scale_shape(param) if new_compact else None)
+            # (the layout it would get fresh)
+            new_compact = self._blocks.eight_bit_when_new(param, group.get("min_8bit_size", MIN_8BIT_SIZE))
+            entry = _from_bnb_entry(where, entry, param, group, self._blocks.scale_shape(param) if new_compact else None)
         compact = any(k in entry for k in _SCALES)
         layout = self._layout(where, param, group, compact)
         optional = {k: spec for k, spec in _OPTIONAL_ENTRY_KEYS.items() if spec[2] in layout}
@@ -390,7 +375,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
 
     def _layout(self, where: str, p: torch.Tensor, group: dict, compact: bool) -> dict:
         """Each key of ``p``'s state entry in the compact or fp32 layout: (dtype, shape)."""
-        shape, scales = tuple(p.shape), self._scale_shape(p)
+        shape, scales = tuple(p.shape), self._blocks.scale_shape(p)
         if compact and len(scales) == 2 and math.prod(scales) * compact_adam.BLOCK != p.numel():
             raise ValueError(
                 f"{where} is in the compact layout, but this parameter is sharded and its rows are "
