@@ -42,7 +42,6 @@ import dataclasses
 import logging
 import math
 import os
-from contextlib import nullcontext
 from typing import Optional
 
 import torch
@@ -125,6 +124,11 @@ class StagingRing:
         self.queued_numel = 0
         self.in_flight: collections.deque = collections.deque()  # (event after a flush's kernels, its gradients' bytes)
         self.in_flight_bytes = 0
+        # A unit's hand-offs (copies in -> kernel -> copies out), recorded anew for each unit:
+        # a stream's wait takes the record of the moment it is queued, so one event per
+        # hand-off serves them all, and no event is made per unit.
+        self.loaded = torch.cuda.Event() if self.is_async else None
+        self.updated = torch.cuda.Event() if self.is_async else None
 
     def reserve(self, dtype, numel: int, layout=None) -> None:
         """Buffers of at least ``numel`` elements (grown by doubling up to STAGE_NUMEL, or
@@ -568,21 +572,24 @@ def _flush(ring: StagingRing, in_backward: Optional[bool] = None) -> None:
 @torch.no_grad()
 def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
     """Queue the GPU work of ``jobs``: their verdicts at once, each unit's state in, its
-    kernel and its state out, the step counts, and the verdicts' copy to the host."""
-    if ring.is_async:
-        ring.update.wait_stream(torch.cuda.current_stream(ring.device))  # the gradients are written there
-        for job in jobs:  # the last copies into host memory of the moments read now
-            if job.owner._written is not None:
-                ring.load.wait_event(job.owner._written)
-    steps = [s for job in jobs for s in job.plan.steps]
-    with _on(ring.update):
+    kernel and its state out, the step counts, and the verdicts' copy to the host.
+
+    The current stream is switched by hand (_use), not by ``with torch.cuda.stream(...)``:
+    inside a backward this runs on the thread that launches backward's kernels, and the
+    contexts cost a third of a unit's host time there. The caller's stream is restored."""
+    caller = (torch.cuda.current_device(), torch.cuda.current_stream(ring.device)) if ring.is_async else None
+    try:
+        if caller is not None:
+            ring.update.wait_stream(caller[1])  # the gradients are written there
+            for job in jobs:  # the last copies into host memory of the moments read now
+                if job.owner._written is not None:
+                    ring.load.wait_event(job.owner._written)
+        steps = [s for job in jobs for s in job.plan.steps]
+        _use(ring, ring.update)
         each, flags = _verdicts(jobs)
         torch._foreach_add_(steps, 1)
         args = _args_on_device(jobs, ring)
-    filling: dict = {}  # pool -> (buffer index, elements used, bytes used): small units share a buffer
-    # The units switch the current stream by hand (see _run_unit); the caller's is restored.
-    caller = (torch.cuda.current_device(), torch.cuda.current_stream(ring.device)) if ring.is_async else None
-    try:
+        filling: dict = {}  # pool -> (buffer index, elements used, bytes used): small units share a buffer
         for job, found, job_args in zip(jobs, each, args):
             fmt = job.owner.format
             for unit, arg in zip(job.plan.units, job_args):
@@ -590,28 +597,34 @@ def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
             if fmt.watches_weights:  # (our own writes leave the version counters as they were)
                 for slot in job.plan.slots:
                     job.owner._weights.matched(slot.order, slot.param)
+        for pool, (index, *_) in filling.items():
+            ring.release(pool, index)
+        _use(ring, ring.update)
+        torch._foreach_sub_(steps, [found for job, found in zip(jobs, each) for _ in job.plan.steps])
+        host = torch.empty(len(jobs), dtype=torch.float32, pin_memory=ring.is_async)
+        done = None
+        if caller is not None:
+            ring.store.wait_event(record(ring.update))
+            _use(ring, ring.store)
+            host.copy_(flags, non_blocking=True)
+            done = record(ring.store)
+        else:
+            host.copy_(flags)
     finally:
         if caller is not None:
             torch.cuda.set_stream(caller[1])
             if caller[0] != ring.device.index:
                 torch.cuda.set_device(caller[0])
-    for pool, (index, *_) in filling.items():
-        ring.release(pool, index)
-    with _on(ring.update):
-        torch._foreach_sub_(steps, [found for job, found in zip(jobs, each) for _ in job.plan.steps])
-    host = torch.empty(len(jobs), dtype=torch.float32, pin_memory=ring.is_async)
-    done = None
-    if ring.is_async:
-        ring.store.wait_stream(ring.update)
-        with torch.cuda.stream(ring.store):
-            host.copy_(flags, non_blocking=True)
-        done = record(ring.store)
-    else:
-        host.copy_(flags)
     for i, job in enumerate(jobs):
         job.owner._written = done
         orders = [s.order for s in job.plan.slots] if job.owner.format.counts_on_host else None
         job.owner._verdict = _Verdict(done, host, i, len(job.plan.steps), job.whole_step, orders)
+
+
+def _use(ring: StagingRing, stream) -> None:
+    """Make ``stream`` current (nothing on the CPU, where there are no streams)."""
+    if ring.is_async:
+        torch.cuda.set_stream(stream)
 
 
 def _args_on_device(jobs: list[_Job], ring: StagingRing) -> list:
@@ -645,15 +658,14 @@ def _run_unit(fmt, unit, job: _Job, ring: StagingRing, found: torch.Tensor, arg,
         index, used, used_bytes = ring.take(pool), 0, 0
     filling[pool] = (index, used + -(-numel // ALIGN) * ALIGN, used_bytes + nbytes)
     views = fmt.staged_views(unit, ring, index, used, used_bytes)
-    # The current stream is set by hand, not by ``with torch.cuda.stream(...)``: the three
-    # contexts cost a third of a unit's host time (on the autograd thread, inside a backward).
-    # _run_jobs restores the caller's stream.
-    torch.cuda.set_stream(ring.load)
+    torch.cuda.set_stream(ring.load)  # (by hand: see _run_jobs, which restores the caller's)
     fmt.stage_in(unit, views)
-    ring.update.wait_event(record(ring.load))
+    ring.loaded.record(ring.load)
+    ring.update.wait_event(ring.loaded)
     torch.cuda.set_stream(ring.update)
     fmt.update(unit, views, job.grads, job.plan.steps, found, arg)
-    ring.store.wait_event(record(ring.update))
+    ring.updated.record(ring.update)
+    ring.store.wait_event(ring.updated)
     torch.cuda.set_stream(ring.store)
     fmt.stage_out(unit, views)
 
@@ -692,11 +704,6 @@ def _params_unmoved(plan: _Plan) -> bool:
     updates (or refuses, for another dtype); the units' views would go on updating the old.
     (One C-level pass: about 0.1 us a parameter.)"""
     return list(map(torch.Tensor.data_ptr, plan.params)) == plan.data_ptrs
-
-
-def _on(stream):
-    """``torch.cuda.stream(stream)``; nothing for the CPU (no stream)."""
-    return torch.cuda.stream(stream) if stream is not None else nullcontext()
 
 
 def _nonfinite_each(grads: list[torch.Tensor]) -> torch.Tensor:
