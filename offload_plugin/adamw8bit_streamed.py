@@ -144,7 +144,7 @@ class AdamW8bitFormat(StateFormat):
             flat = [entry[k].view(-1) for k in (("absmax1", "absmax2", "state1", "state2") if eight
                                                 else ("state1", "state2"))]
             param = slot.param.detach().view(-1)
-            step = chunk_numel if eight else max(chunk_numel // 4, 1)
+            step = -(-chunk_numel // BLOCK) * BLOCK if eight else max(chunk_numel // 4, 1)  # (whole blocks)
             for a in range(0, n, step):
                 b = min(n, a + step)
                 if eight:

@@ -35,8 +35,10 @@ __all__ = ["WRAPPED", "BnbMoments", "BnbState", "is_bnb_entry", "read_entry", "r
 WRAPPED = "__bnb_optimizer_quant_state__"  # where bitsandbytes' state_dict() puts its tensors
 _8BIT_KEYS = {"state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2"}
 _32BIT_KEYS = {"state1", "state2"}
-# Block sizes bitsandbytes' block-wise optimizers have used (256 since 0.43, 2048 before).
-_BLOCKS = tuple(2 ** e for e in range(6, 13))
+# Block sizes bitsandbytes' block-wise optimizers have used (256 since 0.43, 2048 before), the
+# two it wrote first: a tensor of one block has one scale whatever the block size, and is then
+# read as written with 256, which every update here takes (the meaning is the same).
+_BLOCKS = (256, 2048, 64, 128, 512, 1024, 4096)
 _FIX = ("Load the checkpoint bitsandbytes wrote as it wrote it, or start this optimizer's "
         "state fresh.")
 

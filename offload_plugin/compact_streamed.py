@@ -247,9 +247,9 @@ class CompactFormat(StateFormat):
 
     def cut(self, slots: list, entries: list, group_of: list, chunk_numel: int) -> list[CompactUnit]:
         """One unit per parameter, or per range of a larger one: ``chunk_numel`` elements in
-        the compact layout (a multiple of BLOCK, so that every unit's blocks are whole blocks
-        of the parameter), a quarter of that in the fp32 layout. Empty parameters have none
-        (their counts go on, as CompactAdamW's)."""
+        the compact layout (rounded up to whole blocks, so that every unit's blocks are whole
+        blocks of the parameter), a quarter of that in the fp32 layout. Empty parameters have
+        none (their counts go on, as CompactAdamW's)."""
         units = []
         for at, (slot, entry, group) in enumerate(zip(slots, entries, group_of)):
             n = slot.param.numel()
@@ -263,7 +263,7 @@ class CompactFormat(StateFormat):
             param = slot.param.detach().view(-1)
             # (fp32 state takes 8 bytes an element where a staging pair holds about 2 per
             # element of chunk_numel: a quarter as many elements a range)
-            step = max(chunk_numel // 4, 1) if fp32 else chunk_numel
+            step = max(chunk_numel // 4, 1) if fp32 else -(-chunk_numel // BLOCK) * BLOCK
             for a in range(0, n, step):
                 b = min(n, a + step)
                 if fp32:

@@ -241,6 +241,33 @@ def test_stochastic_rounding_streamed_is_the_host_update_bit_for_bit(monkeypatch
 
 
 # ---------------------------------------------------------------------------- checkpoints
+def test_a_one_block_tensors_checkpoint_loads_whatever_block_its_one_scale_could_mean():
+    """8-bit state of tensors of at most 256 elements (min_8bit_size=0) has one scale, which
+    fits blocks of 64, 128 or 256 alike: bitsandbytes' checkpoint and ours load, and the run
+    goes on as bitsandbytes' does (they were refused as blocks of 64 or 128)."""
+    bnb = _bnb()
+    shapes = [(32,), (100,), (16, 16), (300,)]
+    torch.manual_seed(0)
+    start = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    ps, qs = [nn.Parameter(t.clone()) for t in start], [nn.Parameter(t.clone()) for t in start]
+    theirs = bnb.optim.AdamW8bit(ps, lr=LR, min_8bit_size=0)
+    for step in range(4):
+        if step == 2:  # (ours takes over bitsandbytes' run here, then reloads its own state)
+            with torch.no_grad():
+                for p, q in zip(ps, qs):
+                    q.copy_(p)
+            ours = AdamW8bit(qs, lr=LR, min_8bit_size=0)
+            ours.load_state_dict(copy.deepcopy(theirs.state_dict()))
+            again = AdamW8bit(qs, lr=LR, min_8bit_size=0)
+            again.load_state_dict(copy.deepcopy(ours.state_dict()))
+        for opt, params in ((theirs, ps),) + (((again, qs),) if step >= 2 else ()):
+            for p, g in zip(params, _grads(step, shapes)):
+                p.grad = g.clone()
+            opt.step()
+    _assert_same_weights(ps, qs)
+    _assert_same_state_dicts(theirs.state_dict(), again.state_dict())
+
+
 def _run(make, steps, start=0, params=None):
     opt = make(params if params is not None else _params())
     params = [p for g in opt.param_groups for p in g["params"]]  # (the offload optimizer's own)

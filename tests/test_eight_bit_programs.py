@@ -1,14 +1,15 @@
-"""Property: any sequence of what a user may do between and around steps leaves CompactAdamW's
-weights and state with the same bits on every path: used directly on the bf16 parameters (the
-reference), inside CPUOffloadOptimizer with the host update, and streamed (the GPU's path,
-here its CPU twin ``streamed._ON_CPU``).
+"""Property: any sequence of what a user may do between and around steps leaves the 8-bit
+optimizers' weights and state with the same bits on every path: used directly on the bf16
+parameters (the reference), inside CPUOffloadOptimizer with the host update, and streamed
+(the GPU's path, here its CPU twin ``streamed._ON_CPU``, in units small enough to cut the
+parameters into ranges); for AdamW8bit also bitsandbytes' own AdamW8bit, the reference there.
 
 Operations: training steps (accumulation, torchtune's scaling, clipping), weights edited in
 place, rewritten with their own values, or replaced by another model's, lr and other
 hyperparameters changed, the state saved and loaded back, a parameter's state deleted, and a
-resume into a new model and optimizer loaded in either order. The remainder's rule (a write
-restarts the master; a resume keeps it for the weight it was saved with) is what makes the
-paths agree: test_compact_reliability.py checks the rule itself.
+resume into a new model and optimizer loaded in either order. CompactAdamW's remainder rule (a
+write restarts the master; a resume keeps it for the weight it was saved with) is what makes
+its paths agree: test_compact_reliability.py checks the rule itself.
 """
 
 import copy
@@ -18,10 +19,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload_plugin import CompactAdamW, CPUOffloadOptimizer, streamed
+from offload_plugin import AdamW8bit, CompactAdamW, CPUOffloadOptimizer, streamed
 from reference_twin import make_model, train, trainable
 
-PATHS = ("direct", "host", "streamed")
+PATHS = {CompactAdamW: ("direct", "host", "streamed"), AdamW8bit: ("bitsandbytes", "direct", "host", "streamed")}
 
 OPERATIONS = st.one_of(
     st.tuples(st.just("train"), st.integers(1, 2), st.integers(1, 2), st.sampled_from([None, 0.05])),
@@ -37,14 +38,16 @@ OPERATIONS = st.one_of(
 HYPERPARAMETERS = {"weight_decay": 0.3, "eps": 1e-3, "betas": (0.8, 0.99)}
 
 
-def _build(model, path, kw, monkeypatch):
+def _build(cls, model, path, kw, monkeypatch):
+    if path == "bitsandbytes":
+        return pytest.importorskip("bitsandbytes").optim.AdamW8bit(trainable(model), **kw)
     if path == "direct":
-        return CompactAdamW(trainable(model), **kw)
+        return cls(trainable(model), **kw)
     monkeypatch.setattr(streamed, "_ON_CPU", path == "streamed")  # (read when built)
-    return CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **kw)
+    return CPUOffloadOptimizer(model.parameters(), optimizer_cls=cls, **kw)
 
 
-def _apply(op, twins, kw, monkeypatch, step):
+def _apply(cls, op, twins, kw, monkeypatch, step):
     kind = op[0]
     for i, (path, model, opt) in enumerate(twins):
         params = trainable(model)
@@ -71,7 +74,7 @@ def _apply(op, twins, kw, monkeypatch, step):
         elif kind == "resume":
             msd, osd = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
             model = make_model(dtype=torch.bfloat16, seed=9)
-            opt = _build(model, path, kw, monkeypatch)
+            opt = _build(cls, model, path, kw, monkeypatch)
             if op[1]:
                 model.load_state_dict(msd)
                 opt.load_state_dict(osd)
@@ -87,29 +90,42 @@ def _assert_same(twins):
     for path, model, opt in others:
         for a, b in zip(trainable(ref_model), trainable(model)):
             assert torch.equal(a.detach().view(torch.int16), b.detach().view(torch.int16)), path
-        state = opt.state_dict()["state"]
-        assert state.keys() == ref_state.keys(), path
-        for index, entry in ref_state.items():
-            assert state[index].keys() == entry.keys(), (path, index)
-            for key, value in entry.items():
-                assert torch.equal(state[index][key], value), (path, index, key)
+        _assert_same_entry(opt.state_dict()["state"], ref_state, (path,))
         for group, ref_group in zip(opt.param_groups, ref_opt.param_groups):
             for key in ("lr", "betas", "eps", "weight_decay"):
                 assert group[key] == ref_group[key], (path, key)
 
 
-@pytest.mark.parametrize("min_8bit_size", [0, 4096], ids=["compact", "small-exact"])
+def _assert_same_entry(value, ref, where):
+    """The same keys, types and values, tensors bit for bit (bitsandbytes' layout nests its
+    tensors under one key)."""
+    assert type(value) is type(ref), where
+    if isinstance(ref, dict):
+        assert value.keys() == ref.keys(), where
+        for key in ref:
+            _assert_same_entry(value[key], ref[key], where + (key,))
+    elif isinstance(ref, torch.Tensor):
+        assert value.dtype == ref.dtype and value.shape == ref.shape, where
+        assert torch.equal(value.reshape(-1).view(torch.uint8), ref.reshape(-1).view(torch.uint8)), where
+    else:
+        assert value == ref, where
+
+
+@pytest.mark.parametrize("cls,min_8bit_size", [(CompactAdamW, 0), (CompactAdamW, 4096), (AdamW8bit, 0), (AdamW8bit, 4096)],
+                         ids=["compact", "compact-small-exact", "adamw8bit", "adamw8bit-small-32bit"])
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=st.lists(OPERATIONS, min_size=1, max_size=8))
-def test_every_path_gives_compact_adamws_bits(min_8bit_size, program, monkeypatch):
-    """A random program on three twins: direct, offloaded (host update), streamed (CPU twin)."""
+def test_every_path_gives_the_same_bits(cls, min_8bit_size, program, monkeypatch):
+    """A random program on twins: direct, offloaded (host update), streamed (CPU twin, in
+    ranges: units of 64 elements, or 256 for AdamW8bit's 8-bit state), and bitsandbytes."""
+    monkeypatch.setattr(streamed, "STAGE_NUMEL", 64)
     kw = dict(lr=1e-2, weight_decay=0.1, min_8bit_size=min_8bit_size)
     twins = []
-    for path in PATHS:
+    for path in PATHS[cls]:
         model = make_model(dtype=torch.bfloat16)
-        twins.append((path, model, _build(model, path, kw, monkeypatch)))
+        twins.append((path, model, _build(cls, model, path, kw, monkeypatch)))
     step = 0
     for op in program + [("train", 1, 1, None)]:
-        _apply(op, twins, kw, monkeypatch, step)
+        _apply(cls, op, twins, kw, monkeypatch, step)
         step += 2
         _assert_same(twins)
