@@ -392,6 +392,13 @@ def run_single(args, name):
         res["model_gpu_gib"] = torch.cuda.memory_allocated() / GIB
     loss_fn = CEWithChunkedOutputLoss()
     model.set_num_output_chunks(loss_fn.num_output_chunks)
+    # torchtune's activation offloading (the recipes' enable_activation_offloading): what
+    # forward saves for backward goes to host memory and comes back when backward needs it.
+    # Only under the GPU cap (a small card needs it; the uncapped baseline runs as it would).
+    offloading = bool(args.activation_offloading and res["gpu_memory_limit_gib"])
+    act_ctx = training.get_act_offloading_ctx_manager(model, offloading)
+    if offloading:
+        res["notes"].append("activation offloading")
 
     vocab = model.tok_embeddings.num_embeddings
     mb = args.tokens_per_step // (args.seq_len * args.grad_accum)
@@ -439,7 +446,8 @@ def run_single(args, name):
                                           early_forward=early)
                 inputs, labels = tokens[:, :-1], tokens[:, 1:]
                 mark("forward")
-                logits = model(inputs)
+                with act_ctx:
+                    logits = model(inputs)
                 loss = loss_fn(logits, labels) * labels.numel()  # summed over tokens
                 del logits
                 mark("backward")
@@ -706,6 +714,7 @@ def describe(run):
     model = "tiny" if a["tiny"] else a["model"]
     extra = (f", grad accum {a['grad_accum']}" if a["grad_accum"] > 1 else "") + (
         ", activation checkpointing" if a["activation_checkpointing"] else "") + (
+        ", activation offloading (capped runs)" if a.get("activation_offloading") else "") + (
         f", clip {a['clip_grad_norm']}" if a.get("clip_grad_norm") else "") + (
         ", early_forward" if a.get("early_forward") else "") + (  # (older runs' flag)
         f", host_threads {a['host_threads']}" if a.get("host_threads") else "") + (
@@ -772,7 +781,8 @@ def parent_main(args):
     out = args.out or REPO / "bench" / "results" / (
         f"{date}-{model}-{args.job}-{args.tokens_per_step}"
         + (f"-ga{args.grad_accum}" if args.grad_accum > 1 else "")
-        + ("-ac" if args.activation_checkpointing else "") + ".json")
+        + ("-ac" if args.activation_checkpointing else "")
+        + ("-ao" if args.activation_offloading else "") + ".json")
 
     results = []
     started = time.perf_counter()
@@ -834,6 +844,10 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--activation-offloading", action="store_true",
+                   help="torchtune's activation offloading (enable_activation_offloading) for the runs under "
+                        "--gpu-memory-gib: the activations saved for backward wait in host memory (more tokens "
+                        "per step on a small GPU); --uncapped runs go without")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
     p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,

@@ -49,6 +49,9 @@
 #                                   # the default, CompactAdamW), 6 steps (2 warm-up) each, with the bytes each
 #                                   # streamed step moves and the pinned copy bandwidth (bench/bus.py) beside
 #                                   # them and one profiled step each for the copy window (about 6 minutes, at most 9.5)
+#   bash bench/run_h200.sh inbwd16kao  # the 16k point of inbwd8b16k with torchtune's activation offloading
+#                                   # (enable_activation_offloading) for ours, which at batch 8 runs out of a
+#                                   # 24 GiB GPU without it even with no optimizer (about 5 minutes)
 #   bash bench/run_h200.sh stock8b8bit # issue 42: torchtune's stock 8B full config, no cap: as shipped
 #                                   # (PagedAdamW8bit) against the drop-in with optimizer_cls AdamW8bit, and the
 #                                   # drop-in as it is (a 16 GB random checkpoint is written first; about 5 minutes)
@@ -174,6 +177,13 @@ for stage in "$@"; do
                 --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd,offload_in_bwd,compact_in_bwd
         done
         python3 bench/report.py --only "$(date +%F)-llama3_1_8b-full-*-issue42.json" | tee "$OUT/issue42_inbwd.md" ;;
+    inbwd16kao)
+        python3 bench/bus.py --gib 4 --json "$OUT/bus.json" | tee "$OUT/bus.txt"
+        bench llama3_1_8b-full-16384-ac-ao-24gib-inbwd-issue42 --model llama3_1_8b --job full --tokens-per-step 16384 \
+            --seq-len 2048 --activation-checkpointing --activation-offloading --gpu-memory-gib 24 \
+            --uncapped gpu_adamw_in_bwd --steps 5 --warmup 2 --child-timeout 150 --time-budget 400 --ref-numel-cap 0 \
+            --bus-json "$OUT/bus.json" --label issue42-inbwd-16k-ao --targets adamw8bit_in_bwd=0.97,offload_in_bwd=0.95 \
+            --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd,offload_in_bwd ;;
     stock8b8bit)
         python3 bench/bench_stock.py --job full --model 8b --steps 5 --warmup 2 --timeout 150 \
             --runs stock_as_shipped,ours_stock_adamw8bit,ours_stock \
