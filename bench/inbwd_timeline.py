@@ -142,6 +142,7 @@ def profile_step(step) -> dict:
         "compute_last_end_s": (last_compute - t0) / 1e9,
         "first_copy_s": None if first_copy is None else (first_copy - t0) / 1e9,
         "tail_after_compute_s": (last_any - last_compute) / 1e9,
+        "update_kernels_busy_s": sum(b - a for a, b, s, k, n in events if k == "kernel" and ours(n)) / 1e9,
         "streams": {str(k): v for k, v in streams.items()},
     }
     return out
