@@ -66,7 +66,6 @@ if triton is not None:
         tl.store(codes + offs, code.to(tl.uint8), mask=inside)
         tl.store(absmax + blocks, top, mask=real)
 
-
     @triton.jit
     def _probe(weight, grad, state1, absmax1, state2, absmax2, n, coeffs, map1, map2, lut1, lut2,
                NO_LUT: tl.constexpr, NO_MAP: tl.constexpr, FAST_DIV: tl.constexpr, ROWS: tl.constexpr,
@@ -99,6 +98,7 @@ if triton is not None:
         tl.store(weight + offs, (p.to(tl.uint32, bitcast=True) >> 16).to(tl.int16), mask=inside)
         _probe_quantize(m, inside, lut1, state1, absmax1, offs, blocks, real, NO_LUT)
         _probe_quantize(v, inside, lut2, state2, absmax2, offs, blocks, real, NO_LUT)
+
 
 def check(device, sizes: list[int]) -> list[str]:
     """The kernel against the host update: three steps per case (to nearest,
@@ -133,14 +133,19 @@ def check(device, sizes: list[int]) -> list[str]:
     return problems
 
 
+def _unit(device, n: int) -> tuple:
+    """A timed unit on ``device``: its state, a gradient, the maps and step 5's coefficients."""
+    gen = torch.Generator().manual_seed(0)
+    state = {k: v.to(device) for k, v in _state(n, gen).items()}
+    grad = torch.randn(n, generator=gen).to(torch.bfloat16).to(device)
+    coeffs = torch.tensor(adamw8bit.coefficients(dict(GROUP, stochastic_rounding=False), 5), device=device)
+    return state, grad, adamw8bit_gpu.GpuMaps(device), coeffs
+
+
 def rate(device, n: int, repeats: int) -> dict:
     """The kernel's median time for one unit of ``n`` elements, and the bytes it moves in the
     GPU's memory per second (weight and codes read and written, the gradient read)."""
-    gen = torch.Generator().manual_seed(0)
-    s = {k: v.to(device) for k, v in _state(n, gen).items()}
-    grad = torch.randn(n, generator=gen).to(torch.bfloat16).to(device)
-    maps = adamw8bit_gpu.GpuMaps(device)
-    coeffs = torch.tensor(adamw8bit.coefficients(dict(GROUP, stochastic_rounding=False), 5), device=device)
+    s, grad, maps, coeffs = _unit(device, n)
     flag = torch.zeros(1, device=device)
     t = _median_time(lambda: adamw8bit_gpu.update_8bit_(s["weight"], grad, s["state1"], s["absmax1"], s["state2"],
                                                         s["absmax2"], coeffs, flag, maps), repeats)
@@ -154,11 +159,7 @@ def probe_rates(device, n: int, repeats: int) -> list[dict]:
     lookups, the correctly rounded division and square root), and all of it in tiles of
     several blocks a program; each timed like ``rate``. Diagnostics only: these variants'
     results are not AdamW's."""
-    gen = torch.Generator().manual_seed(0)
-    s = {k: v.to(device) for k, v in _state(n, gen).items()}
-    grad = torch.randn(n, generator=gen).to(torch.bfloat16).to(device)
-    maps = adamw8bit_gpu.GpuMaps(device)
-    coeffs = torch.tensor(adamw8bit.coefficients(dict(GROUP, stochastic_rounding=False), 5), device=device)
+    s, grad, maps, coeffs = _unit(device, n)
     out = []
     variants = [("all parts", {}), ("no table lookups", dict(NO_LUT=True)), ("no map lookups", dict(NO_MAP=True)),
                 ("no lookups", dict(NO_LUT=True, NO_MAP=True)), ("approximate division", dict(FAST_DIV=True)),
