@@ -70,16 +70,21 @@ def build(layers: int) -> torch.nn.Module:
 
 
 class Timers:
-    """Host seconds inside the hooks, inside _run_jobs and inside hold (bench-side wrappers)."""
+    """Host seconds inside the hooks, inside _run_jobs and inside hold (bench-side wrappers);
+    with ``profiler`` set (a cProfile.Profile), _run_jobs runs under it: on the thread that
+    calls it, the one that runs the gradient hooks."""
 
     def __init__(self) -> None:
         self.s = dict(step=0.0, run_jobs=0.0, hold=0.0)
         self.n = dict(step=0, run_jobs=0, units=0)
+        self.profiler = None
         run_jobs, hold = streamed._run_jobs, streamed.StagingRing.hold
 
         def timed_run_jobs(ring, jobs):
             t = time.perf_counter()
             try:
+                if self.profiler is not None:
+                    return self.profiler.runcall(run_jobs, ring, jobs)
                 return run_jobs(ring, jobs)
             finally:
                 self.s["run_jobs"] += time.perf_counter() - t
@@ -148,7 +153,8 @@ def profile_step(step) -> dict:
     return out
 
 
-def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, profile: bool) -> dict:
+def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, profile: bool,
+            jobs_profile: bool = False) -> dict:
     from torchtune.modules.loss import CEWithChunkedOutputLoss
 
     kwargs, settings = RUNS[name][0], dict(RUNS[name][1])
@@ -235,6 +241,19 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
         out["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
         if profile:
             out.update(profile_step(one_step))
+        if jobs_profile:  # one more step, _run_jobs under cProfile: where its host time goes
+            import cProfile
+            import io
+            import pstats
+
+            timers.profiler = cProfile.Profile()
+            try:
+                one_step()
+            finally:
+                profiler, timers.profiler = timers.profiler, None
+            text = io.StringIO()
+            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+            out["jobs_profile"] = text.getvalue()
     except torch.OutOfMemoryError as err:
         out["failed"] = f"OutOfMemoryError: {str(err)[:160]}"
     finally:
@@ -264,16 +283,22 @@ def main() -> None:
     p.add_argument("--cap-gib", type=float, default=24.0)
     p.add_argument("--runs", default="none,gpu_adamw,adamw8bit,default")
     p.add_argument("--profile", default="", help="comma-separated runs to profile one more step of")
+    p.add_argument("--jobs-profile", default="",
+                   help="comma-separated runs to run one more step of with streamed._run_jobs under cProfile")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     model = build(args.layers)
     timers = Timers()
     profiled = set(filter(None, args.profile.split(",")))
+    jobs_profiled = set(filter(None, args.jobs_profile.split(",")))
     rows = []
     for name in args.runs.split(","):
-        rows.append(measure(name, model, args.tokens, args.steps, args.cap_gib, timers, name in profiled))
+        rows.append(measure(name, model, args.tokens, args.steps, args.cap_gib, timers, name in profiled,
+                            name in jobs_profiled))
         r = rows[-1]
-        print(json.dumps({k: v for k, v in r.items() if k != "streams"}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("streams", "jobs_profile")}), flush=True)
+        if "jobs_profile" in r:
+            print(r["jobs_profile"], flush=True)
         if args.json:
             args.json.write_text(json.dumps({"kind": "inbwd_timeline", "layers": args.layers, "rows": rows},
                                             indent=1) + "\n")
