@@ -110,7 +110,7 @@ for stage in "$@"; do
     compact8b)
         # Issue #20: CompactAdamW streamed through the GPU under optimizer_in_bwd, 8B capped
         # at 24 GiB, against torchao's offload optimizer (gradients to the host in backward).
-        python3 -m pytest tests/test_compact_streamed.py tests/test_compact_gpu_update.py -q -p no:warnings -rs 2>&1 | tail -6
+        python3 -m pytest tests/test_compact_streamed.py tests/test_gpu_update_kernels.py -q -p no:warnings -rs 2>&1 | tail -6
         for t in 2048 4096; do
             bench llama3_1_8b-full-$t-ac-24gib-compact-in-bwd --model llama3_1_8b --job full --tokens-per-step $t \
                 --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --steps 5 --warmup 2 \

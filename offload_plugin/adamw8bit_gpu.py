@@ -10,7 +10,9 @@ between this optimizer and bitsandbytes: each fp32 operation is one IEEE operati
 order, the moments' multiply-adds fused where torch's CPU kernels fuse them (``tl.fma``)
 and no other multiply-add contracted (``enable_fp_fusion=False``), division and square root
 correctly rounded (``tl.div_rn``, ``tl.sqrt_rn``: Triton's ``/`` and ``tl.sqrt`` are
-approximate on NVIDIA GPUs). tests/test_adamw8bit_gpu.py checks the bits.
+approximate on NVIDIA GPUs). bench/adamw8bit_gpu_update.py checks the bits and times the
+kernel; tests/test_gpu_update_kernels.py runs that check, tests/test_adamw8bit.py the streamed
+optimizer's.
 
 Imported only where Triton is (torch's CUDA wheels bring it).
 """

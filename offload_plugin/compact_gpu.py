@@ -11,7 +11,7 @@ and this one and a resume is exact: every fp32 operation here is one IEEE operat
 reference's order, division and square root correctly rounded (``tl.div_rn``,
 ``tl.sqrt_rn``; Triton's ``/`` and ``tl.sqrt`` are approximate on NVIDIA GPUs) and no
 multiply-add contracted (``enable_fp_fusion=False``). bench/compact_gpu_update.py checks
-the bits of every setting and times it; tests/test_compact_gpu_update.py runs that check.
+the bits of every setting and times it; tests/test_gpu_update_kernels.py runs that check.
 
 Imported only where Triton is (torch's CUDA wheels bring it).
 """
