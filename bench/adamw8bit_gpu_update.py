@@ -201,6 +201,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--json", help="write the rates here")
     ap.add_argument("--probe", action="store_true", help="also time the kernel's work with parts replaced, and in tiles")
+    ap.add_argument("--warps", default="",
+                    help="also check and time the kernel launched with these warps per program (comma-separated; "
+                         "adamw8bit_gpu.WARPS is the shipped count)")
     args = ap.parse_args()
     if triton is None:
         sys.exit("needs Triton (installed with torch's CUDA wheels)")
@@ -217,12 +220,22 @@ def main() -> None:
     r = rate(device, args.numel, args.repeats)
     print(f"rate: {r['seconds'] * 1e3:.3f} ms per {args.numel / 2**20:g} M elements, "
           f"{r['elements_per_s'] / 1e9:.1f} G elements/s, {r['bytes_per_s'] / 1e9:.0f} GB/s of GPU memory")
+    launches = []
+    for warps in [int(w) for w in filter(None, args.warps.split(","))]:
+        shipped, adamw8bit_gpu.WARPS = adamw8bit_gpu.WARPS, warps
+        try:
+            launches.append(dict(warps=warps, same_bits=not check(device, sizes), **rate(device, args.numel, args.repeats)))
+        finally:
+            adamw8bit_gpu.WARPS = shipped
+        r2 = launches[-1]
+        print(f"{warps} warps a program: bits {'the same' if r2['same_bits'] else 'DIFFER'}, "
+              f"{r2['seconds'] * 1e3:.3f} ms, {r2['elements_per_s'] / 1e9:.1f} G elements/s", flush=True)
     probes = probe_rates(device, args.numel, args.repeats) if args.probe else []
     for p in probes:
         print(f"probe: {p['probe']}: {p['seconds'] * 1e3:.3f} ms, {p['elements_per_s'] / 1e9:.1f} G elements/s")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(kind="adamw8bit_gpu_update", device=torch.cuda.get_device_name(),
-                                                   rate=r, probes=probes), indent=1))
+                                                   rate=r, warps=launches, probes=probes), indent=1))
 
 
 if __name__ == "__main__":

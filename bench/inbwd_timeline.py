@@ -21,10 +21,12 @@ import argparse
 import functools
 import gc
 import json
+import logging
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -153,11 +155,34 @@ def profile_step(step) -> dict:
     return out
 
 
+class _Count(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.n = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.n += "inf or NaN" in record.getMessage()
+
+
 def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, profile: bool,
-            jobs_profile: bool = False) -> dict:
+            jobs_profile: bool = False, initial: Optional[list] = None) -> dict:
     from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-    kwargs, settings = RUNS[name][0], dict(RUNS[name][1])
+    # Every run starts from the same weights and sees the same batches: runs that inherited the
+    # last run's weights drifted into inf/NaN gradients (skipped steps, and a warning logged
+    # per optimizer per step), slowing every later run of a call.
+    if initial is not None:
+        with torch.no_grad():
+            for p, saved in zip(model.parameters(), initial):
+                p.copy_(saved)
+    torch.manual_seed(1)
+
+    base, _, warps = name.partition("@")  # "adamw8bit@W": the 8-bit kernel launched with W warps a program
+    kwargs, settings = RUNS[base][0], dict(RUNS[base][1])
+    if warps:
+        from offload_plugin import adamw8bit_gpu
+
+        shipped_warps, adamw8bit_gpu.WARPS = adamw8bit_gpu.WARPS, int(warps)
     uncapped = settings.pop("uncapped", False)
     scale = settings.pop("stage_scale", None)  # (AdamW8bit's units: StateFormat.stage_scale)
     if scale is not None:
@@ -217,6 +242,8 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
             collecting["s"] += time.perf_counter() - collecting["at"]
 
     gc.callbacks.append(on_gc)
+    skipped = _Count()  # the optimizers' reports of steps skipped for an inf or NaN gradient
+    logging.getLogger("offload_plugin").addHandler(skipped)
     try:
         for i in range(steps + 2):
             torch.cuda.synchronize()
@@ -239,6 +266,8 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
         for k in rows[0]:
             out[k] = statistics.median(r[k] for r in rows)
         out["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
+        with torch.no_grad():
+            out["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         if profile:
             out.update(profile_step(one_step))
         if jobs_profile:  # one more step, _run_jobs under cProfile: where its host time goes
@@ -258,12 +287,16 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
         out["failed"] = f"OutOfMemoryError: {str(err)[:160]}"
     finally:
         gc.callbacks.remove(on_gc)
+        logging.getLogger("offload_plugin").removeHandler(skipped)
+        out["nonfinite_reports"] = skipped.n
         for h in handles:
             h.remove()
         for k, v in saved.items():
             setattr(streamed, k, v)
         if scale is not None:
             del adamw8bit_streamed.FORMAT.stage_scale
+        if warps:
+            adamw8bit_gpu.WARPS = shipped_warps
         for opt in optims.values():
             if hasattr(opt, "finish_step"):
                 opt.finish_step()
@@ -281,20 +314,23 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--cap-gib", type=float, default=24.0)
-    p.add_argument("--runs", default="none,gpu_adamw,adamw8bit,default")
+    p.add_argument("--runs", default="none,gpu_adamw,adamw8bit,default",
+                   help="comma-separated names of RUNS; adamw8bit@W launches the 8-bit kernel with W warps a "
+                        "program (adamw8bit_gpu.WARPS)")
     p.add_argument("--profile", default="", help="comma-separated runs to profile one more step of")
     p.add_argument("--jobs-profile", default="",
                    help="comma-separated runs to run one more step of with streamed._run_jobs under cProfile")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     model = build(args.layers)
+    initial = [p.detach().to("cpu", copy=True) for p in model.parameters()]
     timers = Timers()
     profiled = set(filter(None, args.profile.split(",")))
     jobs_profiled = set(filter(None, args.jobs_profile.split(",")))
     rows = []
     for name in args.runs.split(","):
         rows.append(measure(name, model, args.tokens, args.steps, args.cap_gib, timers, name in profiled,
-                            name in jobs_profiled))
+                            name in jobs_profiled, initial))
         r = rows[-1]
         print(json.dumps({k: v for k, v in r.items() if k not in ("streams", "jobs_profile")}), flush=True)
         if "jobs_profile" in r:
@@ -304,8 +340,8 @@ def main() -> None:
                                             indent=1) + "\n")
     base = next((r for r in rows if r["run"] == "gpu_adamw" and "step_s" in r), None)
     print("| run | GPU cap | step s | vs GPU AdamW | host s in hooks | of which queueing | waiting | flushes | units "
-          "| forward host s | gc s | allocator retries |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| forward host s | gc s | allocator retries | inf/NaN skip reports | weights finite |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "step_s" not in r:
             print(f"| {r['run']} | {r['failed']} |")
@@ -313,7 +349,8 @@ def main() -> None:
         ratio = f"{base['step_s'] / r['step_s']:.2f}x" if base else "-"
         print(f"| {r['run']} | {r['gpu_cap_gib'] or 'none'} | {r['step_s']:.3f} | {ratio} | {r['host_in_step_s']:.3f} "
               f"| {r['run_jobs_s']:.3f} | {r['hold_s']:.3f} | {r['flushes']:.0f} | {r['units']:.0f} "
-              f"| {r['forward_host_s']:.3f} | {r['gc_s']:.3f} | {r['alloc_retries']:.0f} |")
+              f"| {r['forward_host_s']:.3f} | {r['gc_s']:.3f} | {r['alloc_retries']:.0f} | {r['nonfinite_reports']} "
+              f"| {r['weights_finite']} |")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,8 @@
 #                                   # 24 and a 48 GiB cap with a 64 GiB host budget (bench/what_fits.py; about
 #                                   # 7 minutes, at most 9: --time-budget; the 24 GiB column comes first)
 #   bash bench/run_h200.sh fits80   # the same under an 80 GiB cap (about 5 minutes, at most 9)
+#   bash bench/run_h200.sh warps8bit   # AdamW8bit's kernel with 1-8 warps a program: bits and rate alone, then 1
+#                                   # and 4 warps in an 8B backward (about 4 minutes)
 # Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
@@ -194,6 +196,16 @@ for stage in "$@"; do
     fits80)
         python3 bench/what_fits.py --caps 80 --time-budget 540 \
             --out "bench/results/$(date +%F)-fits-80.json" 2>"$OUT/fits_80.log" | tee "$OUT/fits_80.md" ;;
+    warps8bit)
+        # AdamW8bit's kernel launched with 1, 2, 4 and 8 warps a program (adamw8bit_gpu.WARPS): each checked
+        # for the host update's bits and timed alone, then 1 and 4 inside an 8B backward under a 24 GiB cap,
+        # in ABBA order (about 4 minutes)
+        python3 bench/adamw8bit_gpu_update.py --warps 1,2,4,8 \
+            --json "bench/results/$(date +%F)-adamw8bit-kernel-warps.json" | tee "$OUT/kernel_warps.txt"
+        python3 bench/inbwd_timeline.py --layers 32 --cap-gib 24 --steps 3 \
+            --runs none,gpu_adamw,adamw8bit@4,adamw8bit@1,adamw8bit@1,adamw8bit@4 --profile adamw8bit@4,adamw8bit@1 \
+            --json "bench/results/$(date +%F)-inbwd-timeline-warps.json" 2>"$OUT/timeline_warps.log" \
+            | tee "$OUT/timeline_warps.txt" ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done

@@ -29,6 +29,12 @@ from offload_plugin.adamw8bit import BLOCK
 __all__ = ["GpuMaps", "update_8bit_", "update_32bit_"]
 
 _ELEMENTS_32BIT = 1024  # elements per program of the 32-bit kernel
+# Warps per program of the 8-bit kernel (a program per 256-element block): one warp takes the
+# block's largest magnitudes in registers, without shared memory or barriers. On the H200 it
+# ran a 32 M-element unit in 0.205 ms against 0.215 (2 warps), 0.244 (4) and 0.377 (8), and
+# took 0.076-0.083 s of GPU time inside an 8B backward against 0.089-0.094 with 4 warps
+# (bench/adamw8bit_gpu_update.py --warps; bench/inbwd_timeline.py "adamw8bit@W").
+WARPS = 1
 
 
 @triton.jit
@@ -170,7 +176,7 @@ def update_8bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor,
         _adamw8bit_kernel[(triton.cdiv(n, BLOCK),)](
             weight.view(torch.int16), grad.view(torch.int16), state1, absmax1, state2, absmax2, n,
             coeffs, skip, maps.map1, maps.map2, maps.lut1, maps.lut2, start, _key(seed, numel),
-            SCALE=scaled, STOCHASTIC=seed >= 0, BLOCK_SIZE=BLOCK, **_NO_CONTRACTION)
+            SCALE=scaled, STOCHASTIC=seed >= 0, BLOCK_SIZE=BLOCK, num_warps=WARPS, **_NO_CONTRACTION)
 
 
 def update_32bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, state2: torch.Tensor,

@@ -607,6 +607,9 @@ def _run_jobs(ring: StagingRing, jobs: list[_Job]) -> None:
             ring.store.wait_event(record(ring.update))
             _use(ring, ring.store)
             host.copy_(flags, non_blocking=True)
+            # (flags were made on the update stream, whose next flush would reuse their memory
+            # while this copy, behind the copies out, may not have read them yet)
+            flags.record_stream(ring.store)
             done = record(ring.store)
         else:
             host.copy_(flags)

@@ -218,3 +218,53 @@ def test_gpu_gradients_waiting_for_their_update_inside_backward_are_bounded(monk
     grad = 1024 * 1024 * 2
     assert unbounded >= 14 * grad, unbounded
     assert bounded <= unbounded - 8 * grad, (bounded, unbounded)
+
+
+@pytest.mark.parametrize("optimizer_cls", [None, "offload_plugin.AdamW8bit", "offload_plugin.CompactAdamW"],
+                         ids=["default", "AdamW8bit", "CompactAdamW"])
+def test_gpu_in_backward_verdicts_arrive_as_computed_behind_a_slow_copy_stream(monkeypatch, caplog, optimizer_cls):
+    """Inside a backward each flush's inf/NaN verdicts reach the host on the copy-out stream,
+    which can lag far behind the update stream (an 8B step's moments queue there). Held
+    behind a GPU sleep, with a flush per gradient: no finite gradient is reported as a
+    skipped step, and every weight is the reference's, stepped in the same hooks on the same
+    gradients (torch's fused AdamW on the GPU for the default; AdamW8bit's and CompactAdamW's
+    host updates, whose coefficients come from the step counts these verdicts advance)."""
+    import logging
+
+    from torchtune import training
+
+    import offload_plugin
+
+    monkeypatch.setattr(streamed, "FLUSH_NUMEL", 1)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(8)]).cuda().bfloat16()
+    if optimizer_cls is None:
+        twin = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        refs = [torch.optim.AdamW([t], lr=1e-3, fused=True) for t in twin]
+    else:
+        twin = [p.detach().cpu().requires_grad_() for p in model.parameters()]
+        cls = getattr(offload_plugin, optimizer_cls.rsplit(".", 1)[1])
+        refs = [cls([t], lr=1e-3) for t in twin]
+    kw = {} if optimizer_cls is None else dict(optimizer_cls=optimizer_cls)
+    optims = {p: CPUOffloadOptimizer([p], lr=1e-3, **kw) for p in model.parameters()}
+    for p, t, ref in zip(model.parameters(), twin, refs):
+        def same_step(p, t=t, ref=ref):  # (registered first: runs before the step below)
+            t.grad = p.grad.to(t.device, copy=True)
+            ref.step()
+            ref.zero_grad(set_to_none=True)
+        p.register_post_accumulate_grad_hook(same_step)
+    training.register_optim_in_bwd_hooks(model, optims)
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    model(x).float().square().mean().backward()  # (first steps: the ring and the plans)
+    ring = next(iter(optims.values())).engine.resources.ring
+    caplog.set_level(logging.WARNING, logger="offload_plugin")
+    for _ in range(3):
+        with torch.cuda.stream(ring.store):
+            torch.cuda._sleep(100_000_000)
+        model(x).float().square().mean().backward()
+    torch.cuda.synchronize()
+    for opt in optims.values():
+        opt.finish_step()
+    assert not [r for r in caplog.records if "inf or NaN" in r.getMessage()]
+    for p, t in zip(model.parameters(), twin):
+        assert torch.equal(p.detach().cpu().view(torch.int16), t.detach().cpu().view(torch.int16))
