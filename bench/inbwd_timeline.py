@@ -73,8 +73,7 @@ def build(layers: int) -> torch.nn.Module:
 
 class Timers:
     """Host seconds inside the hooks, inside _run_jobs and inside hold (bench-side wrappers);
-    with ``profiler`` set (a cProfile.Profile), _run_jobs runs under it: on the thread that
-    calls it, the one that runs the gradient hooks."""
+    with ``profiler`` set (a cProfile.Profile), the hooks' step() calls run under it."""
 
     def __init__(self) -> None:
         self.s = dict(step=0.0, run_jobs=0.0, hold=0.0)
@@ -85,8 +84,6 @@ class Timers:
         def timed_run_jobs(ring, jobs):
             t = time.perf_counter()
             try:
-                if self.profiler is not None:
-                    return self.profiler.runcall(run_jobs, ring, jobs)
                 return run_jobs(ring, jobs)
             finally:
                 self.s["run_jobs"] += time.perf_counter() - t
@@ -205,7 +202,10 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
 
         def hook(p, optimizer):
             t = time.perf_counter()
-            optimizer.step()
+            if timers.profiler is not None:
+                timers.profiler.runcall(optimizer.step)
+            else:
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             host["s"] += time.perf_counter() - t
             timers.n["step"] += 1
@@ -270,7 +270,7 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
             out["weights_finite"] = all(bool(torch.isfinite(p).all()) for p in model.parameters())
         if profile:
             out.update(profile_step(one_step))
-        if jobs_profile:  # one more step, _run_jobs under cProfile: where its host time goes
+        if jobs_profile:  # one more step, the hooks' step() calls under cProfile: where their host time goes
             import cProfile
             import io
             import pstats
@@ -281,7 +281,9 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
             finally:
                 profiler, timers.profiler = timers.profiler, None
             text = io.StringIO()
-            pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(40)
+            stats.sort_stats("cumulative").print_stats(40)
             out["jobs_profile"] = text.getvalue()
     except torch.OutOfMemoryError as err:
         out["failed"] = f"OutOfMemoryError: {str(err)[:160]}"
@@ -319,7 +321,8 @@ def main() -> None:
                         "program (adamw8bit_gpu.WARPS)")
     p.add_argument("--profile", default="", help="comma-separated runs to profile one more step of")
     p.add_argument("--jobs-profile", default="",
-                   help="comma-separated runs to run one more step of with streamed._run_jobs under cProfile")
+                   help="comma-separated runs to run one more step of with the hooks' step() calls (which queue "
+                        "and run the jobs: streamed._run_jobs) under cProfile")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     model = build(args.layers)
