@@ -255,9 +255,12 @@ class LoRAFinetuneRecipeSingleDevice(FTRecipeInterface):
     def save_checkpoint(self, epoch: int) -> None:
         """Save the adapter and the merged model; before the last epoch also the training state."""
         recipe_utils.finish_step(self._optimizer)  # every weight updated on the device
-        # Copy to CPU: merging on the GPU would need a second copy of the model there, and
-        # on a CPU device .cpu() would alias the live weights, which the merge adds to in place.
-        state_dict = {k: v.to("cpu", copy=True) for k, v in self._model.state_dict().items()}
+        # To the CPU: merging on the GPU would need a second copy of the model there. QLoRA's
+        # state-dict hook hands over its base weights as new bf16 tensors on the CPU already:
+        # not copied again (16 GB more host memory at 8B). On a CPU device the entries are the
+        # live weights, which the merge adds to in place: copied there.
+        on_cpu = self._device.type == "cpu"
+        state_dict = {k: v.to("cpu", copy=on_cpu) for k, v in self._model.state_dict().items()}
         ckpt = {
             training.ADAPTER_KEY: get_adapter_state_dict(state_dict),
             training.ADAPTER_CONFIG: {
