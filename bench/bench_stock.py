@@ -186,7 +186,9 @@ def one_run(args, name: str, env: dict) -> dict:
             shutil.rmtree(saved) if saved.is_dir() else saved.unlink()
     if proc.returncode != 0:
         return {"error": (proc.stdout + proc.stderr)[-1500:]}
-    return parse(run_dir(args, name), proc.stdout, args.warmup)
+    # Steps our optimizer reports skipped for an inf or NaN gradient: a run that is not clean.
+    return dict(parse(run_dir(args, name), proc.stdout, args.warmup),
+                nonfinite_reports=(proc.stdout + proc.stderr).count("inf or NaN"))
 
 
 def summarize(results: dict, base_name: str, warmup: int) -> dict:
@@ -235,6 +237,10 @@ def markdown_table(results: dict, base_name: str) -> str:
         spread = f" ({', '.join(f'{t:,.0f}' for t in each)})" if len(each) > 1 else ""
         gib = [f"{r[key]:.1f}" if r.get(key) is not None else "-" for key in ("peak_gpu_gib", "host_peak_rss_gib")]
         lines.append(f"| {name} | {r['tokens_per_s']:,.0f}{spread} | {ratio} | {paired} | {gib[0]} | {gib[1]} |")
+    for name, r in results.items():
+        skips = sum(x.get("nonfinite_reports", 0) for x in r.get("repeats", []))
+        if skips:
+            lines.append(f"\nwarning: {name}: {skips} steps reported skipped for an inf or NaN gradient (not a clean run)")
     return "\n".join(lines)
 
 

@@ -569,18 +569,22 @@ def child_main(args):
 
 
 # ----------------------------------------------------------------------------- parent
+NONFINITE = "inf or NaN"  # (in offload_plugin's warnings of skipped steps)
+
+
 def run_child(name, args):
     """Run this script with --single NAME; echo its output, return its result line."""
     cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--single", name]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     timer = threading.Timer(args.child_timeout, proc.kill)
     timer.start()
-    tail, result = collections.deque(maxlen=5), None
+    tail, result, skips = collections.deque(maxlen=5), None, 0
     for line in proc.stdout:
         if MARKER in line:
             result = json.loads(line.split(MARKER, 1)[1])
         else:
             sys.stderr.write(f"  | {line}")
+            skips += NONFINITE in line
             if line.strip():
                 tail.append(line.strip())
     rc = proc.wait()
@@ -589,6 +593,10 @@ def run_child(name, args):
         why = {-9: "killed (SIGKILL: host out of memory, or --child-timeout)"}.get(rc, "")
         result = {"optimizer": name,
                   "error": f"child exited with {rc} {why}: {' / '.join(tail)[-300:]}"}
+    if skips:  # (our optimizers' reports of steps skipped for an inf or NaN gradient)
+        result["nonfinite_reports"] = skips
+        result.setdefault("notes", []).append(f"{skips} steps reported skipped for an inf or NaN gradient: "
+                                              "not a clean run")
     return result
 
 
@@ -827,6 +835,10 @@ def parent_main(args):
         print("\n" + reference_line(ref, trainable))
     if bandwidth:
         print("\n" + bus_line(bandwidth))
+    for r in results:
+        if r.get("nonfinite_reports"):
+            print(f"\nwarning: {r['optimizer']}: {r['nonfinite_reports']} steps reported skipped for an inf or "
+                  "NaN gradient (not a clean run)")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(run, indent=2) + "\n")
     print(f"\nwrote {out}")

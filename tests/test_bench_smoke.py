@@ -407,6 +407,23 @@ def test_stock_bench_pairs_the_steps_of_alternating_runs():
     assert got["stock_as_shipped"]["tokens_per_s"] == (150 + 165) / 2
 
 
+def test_stock_bench_flags_runs_with_skipped_steps():
+    """A run whose optimizer reported steps skipped for an inf or NaN gradient is named under
+    the table: its tokens/s is not that of a clean run (such reports once came from a defect
+    in the streamed update, not from the gradients)."""
+    bench = _bench_module("bench_stock")
+
+    def run(skips):
+        return {"tokens_per_s": 100.0, "peak_gpu_gib": 1.0, "host_peak_rss_gib": 2.0,
+                "step_tokens_per_s": [100.0, 100.0], "nonfinite_reports": skips}
+
+    results = bench.summarize({"stock_as_shipped": {"repeats": [run(0)]},
+                               "ours_stock": {"repeats": [run(3), run(2)]}}, "stock_as_shipped", warmup=0)
+    warnings = [line for line in bench.markdown_table(results, "stock_as_shipped").splitlines()
+                if line.startswith("warning")]
+    assert warnings == ["warning: ours_stock: 5 steps reported skipped for an inf or NaN gradient (not a clean run)"]
+
+
 def test_step_overhead_bench_cpu_smoke():
     """bench/step_overhead.py runs on the CPU, back to back and --cold, at rank 8 (192
     tensors of 5.3M elements in all) and another rank, and times every variant."""
