@@ -165,9 +165,8 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
             jobs_profile: bool = False, initial: Optional[list] = None) -> dict:
     from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-    # Every run starts from the same weights and sees the same batches: runs that inherited the
-    # last run's weights drifted into inf/NaN gradients (skipped steps, and a warning logged
-    # per optimizer per step), slowing every later run of a call.
+    # Every run starts from the same weights and sees the same batches (the runs of a call share
+    # one model, which each run's steps change).
     if initial is not None:
         with torch.no_grad():
             for p, saved in zip(model.parameters(), initial):
