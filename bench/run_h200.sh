@@ -59,6 +59,8 @@
 #                                   # 24 and a 48 GiB cap with a 64 GiB host budget (bench/what_fits.py; about
 #                                   # 7 minutes, at most 9: --time-budget; the 24 GiB column comes first)
 #   bash bench/run_h200.sh fits80   # the same under an 80 GiB cap (about 5 minutes, at most 9)
+#   bash bench/run_h200.sh inbwd4krounds  # issue 42's 4k point (AdamW8bit, 24 GiB cap, against GPU AdamW uncapped)
+#                                   # in three rounds of alternating order (about 8 minutes)
 #   bash bench/run_h200.sh warps8bit   # AdamW8bit's kernel with 1-8 warps a program: bits and rate alone, then 1
 #                                   # and 4 warps in an 8B backward (about 4 minutes)
 # Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
@@ -196,6 +198,16 @@ for stage in "$@"; do
     fits80)
         python3 bench/what_fits.py --caps 80 --time-budget 540 \
             --out "bench/results/$(date +%F)-fits-80.json" 2>"$OUT/fits_80.log" | tee "$OUT/fits_80.md" ;;
+    inbwd4krounds)
+        # issue 42's 4k point, AdamW8bit under a 24 GiB cap against torch's AdamW uncapped, in three
+        # rounds whose order alternates: single runs of one setting vary by up to 0.2 s a step
+        for i in 1 2 3; do
+            if [ $((i % 2)) = 1 ]; then order=gpu_adamw_in_bwd,adamw8bit_in_bwd; else order=adamw8bit_in_bwd,gpu_adamw_in_bwd; fi
+            bench llama3_1_8b-full-4096-ac-24gib-inbwd-round$i --model llama3_1_8b --job full --tokens-per-step 4096 \
+                --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd \
+                --steps 8 --warmup 2 --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-rounds \
+                --targets adamw8bit_in_bwd=0.9 --optimizers $order
+        done ;;
     warps8bit)
         # AdamW8bit's kernel launched with 1, 2, 4 and 8 warps a program (adamw8bit_gpu.WARPS): each checked
         # for the host update's bits and timed alone, then 1 and 4 inside an 8B backward under a 24 GiB cap,
