@@ -480,8 +480,10 @@ def run_single(args, name):
                 marks = []
                 if is_ours:
                     opt.engine.worker.trace = []
-            sync(dev)
-            t0 = time.perf_counter()
+            synced = args.timing == "sync" or step == 0
+            if synced:
+                sync(dev)
+                t0 = time.perf_counter()
             mark("step")
             total = forward_backward()
             scale_clip()
@@ -491,10 +493,14 @@ def run_single(args, name):
             opt.zero_grad(set_to_none=True)
             # (early_forward: what step() left running is timed in the next step, whose
             # forward overlaps it, so every timed step holds one step's updates.)
-            sync(dev)
-            times.append(time.perf_counter() - t0)
+            if args.timing == "sync":
+                sync(dev)
+            loss = total.item()  # (--timing item: the step ends here, and the next begins)
+            end = time.perf_counter()
+            times.append(end - t0)
+            t0 = end
             gc_pauses.end_step()
-            losses.append(total.item() / args.tokens_per_step)
+            losses.append(loss / args.tokens_per_step)
             if is_ours:
                 busy.append(opt.engine.worker.busy_s)
                 waited.append(opt.engine.worker.waited_s)
@@ -732,7 +738,8 @@ def describe(run):
         ", early_forward" if a.get("early_forward") else "") + (  # (older runs' flag)
         f", host_threads {a['host_threads']}" if a.get("host_threads") else "") + (
         f", GPU capped at {a['gpu_memory_gib']:g} GiB" if a.get("gpu_memory_gib") else "") + (
-        f" (not {', '.join(_names(a['uncapped']))})" if a.get("gpu_memory_gib") and a.get("uncapped") else "")
+        f" (not {', '.join(_names(a['uncapped']))})" if a.get("gpu_memory_gib") and a.get("uncapped") else "") + (
+        ", steps timed back to back to the loss's .item()" if a.get("timing") == "item" else "")
     return (f"{model} {a['job']}, {a['tokens_per_step']} tokens/step, seq {a['seq_len']}"
             f"{extra} ({run.get('gpu') or a['device']}, {run['date']})")
 
@@ -866,6 +873,11 @@ def parse_args(argv=None):
                         "--gpu-memory-gib: the activations saved for backward wait in host memory (more tokens "
                         "per step on a small GPU); --uncapped runs go without")
     p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--timing", choices=("sync", "item"), default="sync",
+                   help="what a step's time ends at: sync, the whole device idle (every stream, the default); "
+                        "item, the loss's .item() (the compute stream), as torchtune's loop waits each step for its "
+                        "log line, steps then timed back to back: work left on other streams (the streamed "
+                        "update's last copies out) overlaps the next forward, as in a recipe")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
     p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                    help=f"comma-separated, from: {', '.join(OPTIMIZERS)}")

@@ -63,6 +63,8 @@
 #                                   # in three rounds of alternating order (about 8 minutes)
 #   bash bench/run_h200.sh warps8bit   # AdamW8bit's kernel with 1-8 warps a program: bits and rate alone, then 1
 #                                   # and 4 warps in an 8B backward (about 4 minutes)
+#   bash bench/run_h200.sh inbwd4kitem  # inbwd4krounds with steps timed back to back to the loss's .item(), as
+#                                   # torchtune's loop waits (bench_train.py --timing item; about 3 minutes)
 # Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
@@ -218,6 +220,16 @@ for stage in "$@"; do
             --runs none,gpu_adamw,adamw8bit@4,adamw8bit@1,adamw8bit@1,adamw8bit@4 --profile adamw8bit@4,adamw8bit@1 \
             --json "bench/results/$(date +%F)-inbwd-timeline-warps.json" 2>"$OUT/timeline_warps.log" \
             | tee "$OUT/timeline_warps.txt" ;;
+    inbwd4kitem)
+        # inbwd4krounds timed as a recipe runs: each step ends at the loss's .item() (the compute stream),
+        # the next begins there; the streamed update's last copies out overlap the next forward
+        for i in 1 2 3; do
+            if [ $((i % 2)) = 1 ]; then order=gpu_adamw_in_bwd,adamw8bit_in_bwd; else order=adamw8bit_in_bwd,gpu_adamw_in_bwd; fi
+            bench llama3_1_8b-full-4096-ac-24gib-inbwd-item-round$i --model llama3_1_8b --job full --tokens-per-step 4096 \
+                --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd \
+                --steps 8 --warmup 2 --timing item --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-item \
+                --targets adamw8bit_in_bwd=0.9 --optimizers $order
+        done ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done
