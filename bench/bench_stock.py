@@ -15,6 +15,7 @@ same batches (see ``summarize``).
     python bench/bench_stock.py --job qlora --model 1b --runs stock_as_shipped,ours_stock --repeats 3 --steps 30 --warmup 5
     python bench/bench_stock.py --job lora --model 8b --runs stock_as_shipped,ours_stock --steps 6  # bf16 base weights
     python bench/bench_stock.py --job full --model 8b --gpu-gib 24 --runs ours_stock,torchao_offload_grads --steps 5
+    python bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 2 --steps 12 --warmup 3
 """
 
 from __future__ import annotations
@@ -38,13 +39,17 @@ MODELS = {  # model -> torchtune builder, and per job: (torchtune's stock config
         "qlora": ("llama3_2/1B_qlora_single_device", "configs/llama3_2/1B_qlora_offload_single_device.yaml"),
         "lora": ("llama3_2/1B_lora_single_device", "configs/llama3_2/1B_lora_offload_single_device.yaml"),
     }),
+    "3b": ("torchtune.models.llama3_2.llama3_2_3b", {  # (we ship no 3B LoRA config)
+        "full": ("llama3_2/3B_full_single_device", "configs/llama3_2/3B_full_offload_single_device.yaml"),
+        "qlora": ("llama3_2/3B_qlora_single_device", "configs/llama3_2/3B_qlora_offload_single_device.yaml"),
+    }),
     "8b": ("torchtune.models.llama3_1.llama3_1_8b", {
         "full": ("llama3_1/8B_full_single_device", "configs/llama3_1/8B_full_offload_single_device.yaml"),
         "qlora": ("llama3_1/8B_qlora_single_device", "configs/llama3_1/8B_qlora_offload_single_device.yaml"),
         "lora": ("llama3_1/8B_lora_single_device", "configs/llama3_1/8B_lora_offload_single_device.yaml"),
     }),
 }
-SHARDS = {"1b": 1, "8b": 4}  # safetensors files the configs' checkpointer lists
+SHARDS = {"1b": 1, "3b": 2, "8b": 4}  # safetensors files the configs' checkpointer lists
 OURS = "optimizer._component_=offload_plugin.CPUOffloadOptimizer"
 ACCUM_CLIP = ["gradient_accumulation_steps=2", "clip_grad_norm=1.0"]
 # name -> (recipe: "stock" or "ours", overrides). Stock full configs ship PagedAdamW8bit with
@@ -271,6 +276,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="results JSON (default: bench/results/<date>-stock-<model>-<job>.json)")
     args = p.parse_args()
+    if args.job not in MODELS[args.model][1]:
+        p.error(f"--model {args.model} has no {args.job} configs here; it has {', '.join(MODELS[args.model][1])}")
     args.out = args.out or REPO / "bench" / "results" / f"{datetime.date.today()}-stock-{args.model}-{args.job}.json"
     names = args.runs.split(",") if args.runs else list(RUNS[args.job])
     args.checkpoint = args.checkpoint or args.work / f"random-{args.model}"

@@ -620,3 +620,26 @@ def test_what_fits_tiny_cpu_smoke(tmp_path):
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0, report.stderr[-2000:]
     assert "## What fits where" in report.stdout and "| AdamW8bit | **tiny_4l**" in report.stdout
+
+
+def test_stock_bench_models_name_configs_that_exist_with_the_shards_it_writes():
+    """Each model and job bench_stock.py compares names torchtune's stock config and ours;
+    both exist and list as many checkpoint files as the random checkpoint it writes has
+    (SHARDS), else the recipes would look for files that are not there."""
+    import torchtune
+    from omegaconf import OmegaConf
+
+    bench = _bench_module("bench_stock")
+    stock_root = Path(torchtune.__file__).resolve().parent.parent / "recipes" / "configs"
+
+    def files(path):
+        listed = OmegaConf.load(path).checkpointer.checkpoint_files
+        return int(listed.max_filename) if "max_filename" in listed else len(listed)
+
+    assert {"1b", "3b", "8b"} <= set(bench.MODELS)
+    for model, (builder, jobs) in bench.MODELS.items():
+        assert builder.startswith("torchtune.models.")
+        for job, (stock, ours) in jobs.items():
+            assert job in bench.RUNS
+            assert files(stock_root / f"{stock}.yaml") == bench.SHARDS[model], (model, job, stock)
+            assert files(REPO / ours) == bench.SHARDS[model], (model, job, ours)
