@@ -65,6 +65,11 @@
 #                                   # and 4 warps in an 8B backward (about 4 minutes)
 #   bash bench/run_h200.sh inbwd4kitem  # inbwd4krounds with steps timed back to back to the loss's .item(), as
 #                                   # torchtune's loop waits (bench_train.py --timing item; about 3 minutes)
+#   bash bench/run_h200.sh inbwd4kinflight  # the 4k point (--timing item) with the bound on gradients in flight
+#                                   # at 1 (as shipped), 2 and 4 GiB (OFFLOAD_PLUGIN_IN_FLIGHT_MIB), two rounds
+#                                   # (about 6 minutes)
+#   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in three rounds, then the
+#                                   # full config as shipped, the drop-in and ours (about 8 minutes)
 # Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
@@ -230,6 +235,23 @@ for stage in "$@"; do
                 --steps 8 --warmup 2 --timing item --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-item \
                 --targets adamw8bit_in_bwd=0.9 --optimizers $order
         done ;;
+    inbwd4kinflight)
+        # the hooks wait 0.16-0.20 s a step on the 1 GiB bound at 4k: does a larger one buy time under the cap?
+        for i in 1 2; do
+            for mib in 1024 2048 4096; do
+                OFFLOAD_PLUGIN_IN_FLIGHT_MIB=$mib bench llama3_1_8b-full-4096-ac-24gib-inbwd-inflight$mib-round$i \
+                    --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 --activation-checkpointing \
+                    --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd --steps 8 --warmup 2 --timing item \
+                    --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-inflight$mib \
+                    --targets adamw8bit_in_bwd=0.9 --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd
+            done
+        done ;;
+    stock3b)
+        python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 3 --steps 12 \
+            --warmup 3 --timeout 100 --out "bench/results/$(date +%F)-stock-3b-qlora-rounds.json" \
+            | tee "$OUT/stock_3b_qlora_rounds.txt"
+        python3 bench/bench_stock.py --job full --model 3b --runs stock_as_shipped,ours_stock,ours_recipe --steps 8 \
+            --warmup 3 --timeout 120 --out "bench/results/$(date +%F)-stock-3b-full.json" | tee "$OUT/stock_3b_full.txt" ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done
