@@ -878,7 +878,7 @@ def parse_args(argv=None):
                         "item, the loss's .item() (the compute stream), as torchtune's loop waits each step for its "
                         "log line, steps then timed back to back: work left on other streams (the streamed "
                         "update's last copies out) overlaps the next forward, as in a recipe")
-    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the median (step_s) and the mean (step_mean_s)")
     p.add_argument("--optimizers", default=DEFAULT_OPTIMIZERS,
                    help=f"comma-separated, from: {', '.join(OPTIMIZERS)}")
     p.add_argument("--clip-grad-norm", type=float, default=None)
