@@ -68,6 +68,8 @@
 #   bash bench/run_h200.sh inbwd4kinflight  # the 4k point (--timing item) with the bound on gradients in flight
 #                                   # at 1 (as shipped), 2 and 4 GiB (OFFLOAD_PLUGIN_IN_FLIGHT_MIB), two rounds
 #                                   # (about 6 minutes)
+#   bash bench/run_h200.sh inbwd4kring  # the 4k point (--timing item) with 3 (as shipped) and 8 staging buffer pairs
+#                                   # (OFFLOAD_PLUGIN_RING_SIZE), and 8 with 2 GiB in flight, two rounds (about 6 minutes)
 #   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in three rounds, then the
 #                                   # full config as shipped, the drop-in and ours (about 8 minutes)
 # Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
@@ -243,6 +245,19 @@ for stage in "$@"; do
                     --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 --activation-checkpointing \
                     --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd --steps 8 --warmup 2 --timing item \
                     --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-inflight$mib \
+                    --targets adamw8bit_in_bwd=0.9 --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd
+            done
+        done ;;
+    inbwd4kring)
+        # copies in may run ahead of their gradients by the ring's buffers: more of them could bring the first
+        # units' state over while forward still runs
+        for i in 1 2; do
+            for setting in 3:1024 8:1024 8:2048; do
+                OFFLOAD_PLUGIN_RING_SIZE=${setting%:*} OFFLOAD_PLUGIN_IN_FLIGHT_MIB=${setting#*:} \
+                    bench llama3_1_8b-full-4096-ac-24gib-inbwd-ring${setting%:*}-inflight${setting#*:}-round$i \
+                    --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 --activation-checkpointing \
+                    --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd --steps 8 --warmup 2 --timing item \
+                    --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-ring${setting%:*} \
                     --targets adamw8bit_in_bwd=0.9 --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd
             done
         done ;;

@@ -63,7 +63,10 @@ log = logging.getLogger(__name__)
 # 55 GB/s each way, far above a copy's fixed cost, and the ring (RING_SIZE buffers of two
 # moments) costs 96 MiB of device memory for bf16 parameters.
 STAGE_NUMEL = 1 << 23
-RING_SIZE = 3
+# Buffer pairs per pool: how many units' copies in may run ahead of their kernels (and of
+# their gradients). Benchmarks set OFFLOAD_PLUGIN_RING_SIZE in a recipe's environment to try
+# more (inside a backward the first units' state could come over while forward still runs).
+RING_SIZE = max(1, int(os.environ.get("OFFLOAD_PLUGIN_RING_SIZE", "3")))
 # Queued steps inside a backward go to the GPU once they hold this many elements (64 MiB of
 # bf16 gradients: a 1B transformer layer's tensors in two or three flushes). Each flush costs
 # the autograd thread a dozen launches and some Python, which delays backward's own
