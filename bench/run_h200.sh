@@ -91,6 +91,17 @@ bench_fsdp2() {  # name, args...: like bench(), with bench_fsdp2.py (torchrun pe
     python3 bench/bench_fsdp2.py "$@" --out "bench/results/$(date +%F)-$name.json" >"$OUT/$name.md" 2>"$OUT/$name.log" || status=1
     cat "$OUT/$name.md"
 }
+inbwd4k() {  # name, label, args...: issue 42's 4k point (Llama-3.1-8B full, seq 2048, activation
+    # checkpointing, in-backward) with AdamW8bit under a 24 GiB cap against torch's AdamW uncapped
+    local name=$1 label=$2; shift 2
+    bench "llama3_1_8b-full-4096-ac-24gib-inbwd-$name" --model llama3_1_8b --job full --tokens-per-step 4096 \
+        --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd --steps 8 \
+        --warmup 2 --child-timeout 100 --ref-numel-cap 0 --label "issue42-inbwd-$label" \
+        --targets adamw8bit_in_bwd=0.9 "$@"
+}
+alternating() {  # round number: the two runs' order, alternating from round to round
+    if [ $(($1 % 2)) = 1 ]; then echo gpu_adamw_in_bwd,adamw8bit_in_bwd; else echo adamw8bit_in_bwd,gpu_adamw_in_bwd; fi
+}
 for stage in "$@"; do
     case $stage in
     host)
@@ -211,11 +222,7 @@ for stage in "$@"; do
         # issue 42's 4k point, AdamW8bit under a 24 GiB cap against torch's AdamW uncapped, in three
         # rounds whose order alternates: single runs of one setting vary by up to 0.2 s a step
         for i in 1 2 3; do
-            if [ $((i % 2)) = 1 ]; then order=gpu_adamw_in_bwd,adamw8bit_in_bwd; else order=adamw8bit_in_bwd,gpu_adamw_in_bwd; fi
-            bench llama3_1_8b-full-4096-ac-24gib-inbwd-round$i --model llama3_1_8b --job full --tokens-per-step 4096 \
-                --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd \
-                --steps 8 --warmup 2 --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-rounds \
-                --targets adamw8bit_in_bwd=0.9 --optimizers $order
+            inbwd4k round$i rounds --optimizers "$(alternating $i)"
         done ;;
     warps8bit)
         # AdamW8bit's kernel launched with 1, 2, 4 and 8 warps a program (adamw8bit_gpu.WARPS): each checked
@@ -231,21 +238,14 @@ for stage in "$@"; do
         # inbwd4krounds timed as a recipe runs: each step ends at the loss's .item() (the compute stream),
         # the next begins there; the streamed update's last copies out overlap the next forward
         for i in 1 2 3; do
-            if [ $((i % 2)) = 1 ]; then order=gpu_adamw_in_bwd,adamw8bit_in_bwd; else order=adamw8bit_in_bwd,gpu_adamw_in_bwd; fi
-            bench llama3_1_8b-full-4096-ac-24gib-inbwd-item-round$i --model llama3_1_8b --job full --tokens-per-step 4096 \
-                --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd \
-                --steps 8 --warmup 2 --timing item --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-item \
-                --targets adamw8bit_in_bwd=0.9 --optimizers $order
+            inbwd4k item-round$i item --timing item --optimizers "$(alternating $i)"
         done ;;
     inbwd4kinflight)
         # the hooks wait 0.16-0.20 s a step on the 1 GiB bound at 4k: does a larger one buy time under the cap?
         for i in 1 2; do
             for mib in 1024 2048 4096; do
-                OFFLOAD_PLUGIN_IN_FLIGHT_MIB=$mib bench llama3_1_8b-full-4096-ac-24gib-inbwd-inflight$mib-round$i \
-                    --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 --activation-checkpointing \
-                    --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd --steps 8 --warmup 2 --timing item \
-                    --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-inflight$mib \
-                    --targets adamw8bit_in_bwd=0.9 --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd
+                OFFLOAD_PLUGIN_IN_FLIGHT_MIB=$mib inbwd4k inflight$mib-round$i inflight$mib --timing item \
+                    --optimizers "$(alternating $i)"
             done
         done ;;
     inbwd4kring)
@@ -254,11 +254,8 @@ for stage in "$@"; do
         for i in 1 2; do
             for setting in 3:1024 8:1024 8:2048; do
                 OFFLOAD_PLUGIN_RING_SIZE=${setting%:*} OFFLOAD_PLUGIN_IN_FLIGHT_MIB=${setting#*:} \
-                    bench llama3_1_8b-full-4096-ac-24gib-inbwd-ring${setting%:*}-inflight${setting#*:}-round$i \
-                    --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 --activation-checkpointing \
-                    --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd --steps 8 --warmup 2 --timing item \
-                    --child-timeout 100 --ref-numel-cap 0 --label issue42-inbwd-ring${setting%:*} \
-                    --targets adamw8bit_in_bwd=0.9 --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd
+                    inbwd4k ring${setting%:*}-inflight${setting#*:}-round$i ring${setting%:*} --timing item \
+                    --optimizers "$(alternating $i)"
             done
         done ;;
     stock3b)
