@@ -51,6 +51,20 @@ def bandwidth(gib: float = 4.0, chunk: Optional[int] = None) -> dict:
             "both_GBps_each_way": both, "both_GBps_total": round(2 * both, 1), "seconds": got}
 
 
+def series(gib: float, chunk: Optional[int], count: int) -> list:
+    """Both directions at once, ``count`` times, each on newly pinned host buffers (placed
+    anew, as each run's optimizer state is): GB/s each way per try. The best-of-three of
+    :func:`bandwidth` hides what a single placement gets."""
+    from offload_plugin import streamed
+    from streamed_timeline import copies
+
+    out = []
+    for _ in range(count):
+        got = copies(int(gib * 2**30) // 4, chunk or streamed.STAGE_NUMEL, tries=1, only=("both",))
+        out.append(got["both"]["GB/s each way"])
+    return out
+
+
 def streamed_bytes(opt) -> Optional[dict]:
     """What one step of ``opt`` (ours, or bench_train's in-backward wrapper over ours) moves
     over the bus each way, or None where nothing of it is streamed (another optimizer, or
@@ -143,8 +157,13 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=4.0, help="GiB copied each way per run")
     p.add_argument("--chunk", type=int, default=None, help="elements per copy (default: the staging size)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--series", type=int, default=0,
+                   help="then this many single tries both ways at once, each on newly pinned buffers")
     args = p.parse_args()
     got = bandwidth(args.gib, args.chunk)
+    if args.series:
+        got["series_both_GBps_each_way"] = series(args.gib, args.chunk, args.series)
+        print("single tries on new buffers, both at once, GB/s each way:", got["series_both_GBps_each_way"])
     print(f"pinned copies, {args.gib} GiB each way in pieces of {got['chunk_numel']:,} elements: "
           f"h2d {got['h2d_GBps']} GB/s, d2h {got['d2h_GBps']} GB/s, both at once "
           f"{got['both_GBps_each_way']} GB/s each way ({got['both_GBps_total']} GB/s in all)")

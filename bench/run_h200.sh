@@ -68,8 +68,10 @@
 #   bash bench/run_h200.sh inbwd4kinflight  # the 4k point (--timing item) with the bound on gradients in flight
 #                                   # at 1 (as shipped), 2 and 4 GiB (OFFLOAD_PLUGIN_IN_FLIGHT_MIB), two rounds
 #                                   # (about 6 minutes)
-#   bash bench/run_h200.sh inbwd4kring  # the 4k point (--timing item) with 3 (as shipped) and 8 staging buffer pairs
-#                                   # (OFFLOAD_PLUGIN_RING_SIZE), and 8 with 2 GiB in flight, two rounds (about 6 minutes)
+#   bash bench/run_h200.sh inbwd4kring  # the 4k point (--timing item) with the staging ring's streams at CUDA priority
+#                                   # 0 (as shipped) and high (OFFLOAD_PLUGIN_STREAM_PRIORITY), two rounds (about 4 minutes)
+#   bash bench/run_h200.sh busprobe # the host's NUMA layout, the bus per CPU node and on newly pinned buffers, and
+#                                   # four AdamW8bit 4k runs each after a bus check (about 4 minutes)
 #   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in three rounds, then the
 #                                   # full config as shipped, the drop-in and ours (about 8 minutes)
 # Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
@@ -249,14 +251,31 @@ for stage in "$@"; do
             done
         done ;;
     inbwd4kring)
-        # copies in may run ahead of their gradients by the ring's buffers: more of them could bring the first
-        # units' state over while forward still runs
+        # the ring's streams at CUDA priority 0 (as shipped) and high (-5: clamped to the device's
+        # highest): the update kernels wait for SMs that backward's GEMMs hold; two rounds
+        k=0
         for i in 1 2; do
-            for setting in 3:1024 8:1024 8:2048; do
-                OFFLOAD_PLUGIN_RING_SIZE=${setting%:*} OFFLOAD_PLUGIN_IN_FLIGHT_MIB=${setting#*:} \
-                    inbwd4k ring${setting%:*}-inflight${setting#*:}-round$i ring${setting%:*} --timing item \
-                    --optimizers "$(alternating $i)"
+            for prio in 0 -5; do
+                k=$((k + 1))
+                OFFLOAD_PLUGIN_STREAM_PRIORITY=$prio inbwd4k prio$prio-round$i prio$prio --timing item \
+                    --optimizers "$(alternating $k)"
             done
+        done ;;
+    busprobe)
+        # why single AdamW8bit runs at 4k take 0.61-0.63 s or 0.68-0.75 s a step, each run one or the other
+        # throughout: the host's NUMA layout, the bus on newly pinned buffers per CPU node and over time, and
+        # AdamW8bit-only runs each after a bus check
+        nvidia-smi topo -m 2>&1 | head -12
+        lscpu 2>&1 | grep -E "^(CPU\(s\)|Model name|Socket|NUMA)"
+        for node in /sys/devices/system/node/node[0-9]*; do
+            echo "== bound to $(basename "$node") (CPUs $(cat "$node/cpulist"))"
+            taskset -c "$(cat "$node/cpulist")" python3 bench/bus.py --gib 2 --series 6
+        done
+        echo "== unbound"
+        python3 bench/bus.py --gib 2 --series 6
+        for i in 1 2 3 4; do
+            python3 bench/bus.py --gib 2 --series 2
+            inbwd4k busprobe-run$i busprobe --timing item --optimizers adamw8bit_in_bwd
         done ;;
     stock3b)
         python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 3 --steps 12 \

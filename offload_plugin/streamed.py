@@ -81,6 +81,10 @@ FLUSH_NUMEL = int(os.environ.get("OFFLOAD_PLUGIN_FLUSH_NUMEL", str(1 << 25)))
 # a bound all of them could wait at once (16 GB for an 8B model). Benchmarks set
 # OFFLOAD_PLUGIN_IN_FLIGHT_MIB in a recipe's environment to try other bounds.
 IN_FLIGHT_BYTES = int(os.environ.get("OFFLOAD_PLUGIN_IN_FLIGHT_MIB", "1024")) << 20
+# CUDA priority of the ring's streams (lower is higher): its kernels are small and each
+# waits for SMs that backward's GEMMs hold; a higher priority lets their blocks go first.
+# Benchmarks set OFFLOAD_PLUGIN_STREAM_PRIORITY in a recipe's environment to compare.
+STREAM_PRIORITY = int(os.environ.get("OFFLOAD_PLUGIN_STREAM_PRIORITY", "0"))
 # Tests turn this on to run the same code with parameters on the CPU (no streams).
 _ON_CPU = False
 # Benchmarks switch this off (or set OFFLOAD_PLUGIN_STREAMED=0 in a recipe's environment) to
@@ -116,9 +120,9 @@ class StagingRing:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_async = device.type == "cuda"
-        self.load = torch.cuda.Stream(device) if self.is_async else None  # moments in
-        self.update = torch.cuda.Stream(device) if self.is_async else None  # kernels
-        self.store = torch.cuda.Stream(device) if self.is_async else None  # moments out
+        self.load = torch.cuda.Stream(device, priority=STREAM_PRIORITY) if self.is_async else None  # moments in
+        self.update = torch.cuda.Stream(device, priority=STREAM_PRIORITY) if self.is_async else None  # kernels
+        self.store = torch.cuda.Stream(device, priority=STREAM_PRIORITY) if self.is_async else None  # moments out
         self._pools: dict = {}  # dtype -> [buffer pairs, each one's last copy out, next index]
         self.numel: dict = {}  # dtype -> elements per buffer
         self.generation = 0  # counts replacements of buffers (views of them go stale)
