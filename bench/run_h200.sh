@@ -68,12 +68,11 @@
 #   bash bench/run_h200.sh inbwd4kinflight  # the 4k point (--timing item) with the bound on gradients in flight
 #                                   # at 1 (as shipped), 2 and 4 GiB (OFFLOAD_PLUGIN_IN_FLIGHT_MIB), two rounds
 #                                   # (about 6 minutes)
-#   bash bench/run_h200.sh inbwd4kring  # the 4k point (--timing item) with the staging ring's streams at CUDA priority
-#                                   # 0 (as shipped) and high (OFFLOAD_PLUGIN_STREAM_PRIORITY), two rounds (about 4 minutes)
 #   bash bench/run_h200.sh busprobe # the host's NUMA layout, the bus per CPU node and on newly pinned buffers, and
 #                                   # four AdamW8bit 4k runs each after a bus check (about 4 minutes)
-#   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in three rounds, then the
-#                                   # full config as shipped, the drop-in and ours (about 8 minutes)
+#   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in two rounds (a 3B random
+#                                   # checkpoint is written first; about 7 minutes: each run takes about 90 s)
+#   bash bench/run_h200.sh stock3bfull  # Llama-3.2-3B full: the config as shipped, the drop-in and ours (about 6 minutes)
 # Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
@@ -250,17 +249,6 @@ for stage in "$@"; do
                     --optimizers "$(alternating $i)"
             done
         done ;;
-    inbwd4kring)
-        # the ring's streams at CUDA priority 0 (as shipped) and high (-5: clamped to the device's
-        # highest): the update kernels wait for SMs that backward's GEMMs hold; two rounds
-        k=0
-        for i in 1 2; do
-            for prio in 0 -5; do
-                k=$((k + 1))
-                OFFLOAD_PLUGIN_STREAM_PRIORITY=$prio inbwd4k prio$prio-round$i prio$prio --timing item \
-                    --optimizers "$(alternating $k)"
-            done
-        done ;;
     busprobe)
         # why single AdamW8bit runs at 4k take 0.61-0.63 s or 0.68-0.75 s a step, each run one or the other
         # throughout: the host's NUMA layout, the bus on newly pinned buffers per CPU node and over time, and
@@ -278,9 +266,10 @@ for stage in "$@"; do
             inbwd4k busprobe-run$i busprobe --timing item --optimizers adamw8bit_in_bwd
         done ;;
     stock3b)
-        python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 3 --steps 12 \
+        python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 2 --steps 12 \
             --warmup 3 --timeout 100 --out "bench/results/$(date +%F)-stock-3b-qlora-rounds.json" \
-            | tee "$OUT/stock_3b_qlora_rounds.txt"
+            | tee "$OUT/stock_3b_qlora_rounds.txt" ;;
+    stock3bfull)
         python3 bench/bench_stock.py --job full --model 3b --runs stock_as_shipped,ours_stock,ours_recipe --steps 8 \
             --warmup 3 --timeout 120 --out "bench/results/$(date +%F)-stock-3b-full.json" | tee "$OUT/stock_3b_full.txt" ;;
     *) echo "unknown stage $stage"; status=1 ;;

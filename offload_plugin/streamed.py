@@ -64,9 +64,8 @@ log = logging.getLogger(__name__)
 # moments) costs 96 MiB of device memory for bf16 parameters.
 STAGE_NUMEL = 1 << 23
 # Buffer pairs per pool: how many units' copies in may run ahead of their kernels (and of
-# their gradients). Benchmarks set OFFLOAD_PLUGIN_RING_SIZE in a recipe's environment to try
-# more (inside a backward the first units' state could come over while forward still runs).
-RING_SIZE = max(1, int(os.environ.get("OFFLOAD_PLUGIN_RING_SIZE", "3")))
+# their gradients). A unit's copy in is queued with its flush, once its gradient exists.
+RING_SIZE = 3
 # Queued steps inside a backward go to the GPU once they hold this many elements (64 MiB of
 # bf16 gradients: a 1B transformer layer's tensors in two or three flushes). Each flush costs
 # the autograd thread a dozen launches and some Python, which delays backward's own
@@ -81,10 +80,6 @@ FLUSH_NUMEL = int(os.environ.get("OFFLOAD_PLUGIN_FLUSH_NUMEL", str(1 << 25)))
 # a bound all of them could wait at once (16 GB for an 8B model). Benchmarks set
 # OFFLOAD_PLUGIN_IN_FLIGHT_MIB in a recipe's environment to try other bounds.
 IN_FLIGHT_BYTES = int(os.environ.get("OFFLOAD_PLUGIN_IN_FLIGHT_MIB", "1024")) << 20
-# CUDA priority of the ring's streams (lower is higher): its kernels are small and each
-# waits for SMs that backward's GEMMs hold; a higher priority lets their blocks go first.
-# Benchmarks set OFFLOAD_PLUGIN_STREAM_PRIORITY in a recipe's environment to compare.
-STREAM_PRIORITY = int(os.environ.get("OFFLOAD_PLUGIN_STREAM_PRIORITY", "0"))
 # Tests turn this on to run the same code with parameters on the CPU (no streams).
 _ON_CPU = False
 # Benchmarks switch this off (or set OFFLOAD_PLUGIN_STREAMED=0 in a recipe's environment) to
@@ -120,9 +115,9 @@ class StagingRing:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.is_async = device.type == "cuda"
-        self.load = torch.cuda.Stream(device, priority=STREAM_PRIORITY) if self.is_async else None  # moments in
-        self.update = torch.cuda.Stream(device, priority=STREAM_PRIORITY) if self.is_async else None  # kernels
-        self.store = torch.cuda.Stream(device, priority=STREAM_PRIORITY) if self.is_async else None  # moments out
+        self.load = torch.cuda.Stream(device) if self.is_async else None  # moments in
+        self.update = torch.cuda.Stream(device) if self.is_async else None  # kernels
+        self.store = torch.cuda.Stream(device) if self.is_async else None  # moments out
         self._pools: dict = {}  # dtype -> [buffer pairs, each one's last copy out, next index]
         self.numel: dict = {}  # dtype -> elements per buffer
         self.generation = 0  # counts replacements of buffers (views of them go stale)
