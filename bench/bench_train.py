@@ -37,6 +37,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import resource
 import statistics
@@ -128,12 +129,26 @@ class _InBackward:
 
         self.optimizers = {p: make([p]) for p in model.parameters() if p.requires_grad}
         training.register_optim_in_bwd_hooks(model=model, optim_dict=self.optimizers)
+        # Host seconds inside the hooks' step() calls so far: they share the thread that
+        # launches backward's kernels (the hooks look step up at each call).
+        self.hooks_s = 0.0
+        for opt in self.optimizers.values():
+            opt.step = self._timed(opt.step)
         first = next(iter(self.optimizers.values()))
         self.engine = getattr(first, "engine", None)
         self.offload_gradients = self.delayed_update = self.overlapping = False
         if hasattr(first, "host_memory_bytes"):
             self.host_memory_bytes = lambda: sum(o.host_memory_bytes() for o in self.optimizers.values())
             self.finish_step = lambda: [o.finish_step() for o in self.optimizers.values()]
+
+    def _timed(self, step):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self.hooks_s += time.perf_counter() - t
+        return timed
 
     def step(self):
         pass
@@ -343,6 +358,28 @@ def _trace_result(marks, jobs):
     return out
 
 
+def _cpu_ticks():
+    """(steal, total) CPU ticks of the whole machine so far (/proc/stat), or None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return fields[7], sum(fields)
+
+
+def _python_probe_ms(rounds: int = 5) -> float:
+    """Milliseconds a fixed pure-Python loop takes (the best of ``rounds``): the host's pace
+    for the hooks' Python, to compare runs of one call."""
+    best = math.inf
+    for _ in range(rounds):
+        t = time.perf_counter()
+        total = 0
+        for i in range(200_000):
+            total += i & 7
+        best = min(best, time.perf_counter() - t)
+    return 1e3 * best
+
+
 class _GcPauses:
     """Seconds Python's cyclic collector ran in each step (gc.callbacks), to tell its pauses
     from the optimizer's own step-to-step spread."""
@@ -472,10 +509,17 @@ def run_single(args, name):
                     torch.nn.utils.clip_grad_norm_(trainable, args.clip_grad_norm)
 
         times, losses = [], []
+        # How fast the host ran this run: runs of one call that differ only in the host's pace
+        # (in-backward steps share a thread with the hooks' Python) show it here.
+        res["python_probe_ms"] = _python_probe_ms()
+        hooks = [opt.hooks_s] if isinstance(opt, _InBackward) else []
         gc_pauses = _GcPauses()  # Python's collector stops every thread holding the GIL
         busy = [opt.engine.worker.busy_s] if is_ours else []  # host worker's job seconds so far
         waited = [opt.engine.worker.waited_s] if is_ours else []  # ...spent waiting for copies
+        ticks = []
         for step in range(args.steps):
+            if step == args.warmup:
+                ticks.append(_cpu_ticks())
             if args.trace and step == args.steps - 2:  # the last two steps
                 marks = []
                 if is_ours:
@@ -504,6 +548,8 @@ def run_single(args, name):
             if is_ours:
                 busy.append(opt.engine.worker.busy_s)
                 waited.append(opt.engine.worker.waited_s)
+            if hooks:
+                hooks.append(opt.hooks_s)
             print(f"[{name}] step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
                   file=sys.stderr, flush=True)
         if args.profile_bus and dev == "cuda" and is_ours:
@@ -533,6 +579,12 @@ def run_single(args, name):
         res.update(step_times=times, losses=losses, step_s=statistics.median(timed),
                    step_mean_s=sum(timed) / len(timed))
         res["tokens_per_s"] = args.tokens_per_step / res["step_s"]
+        ticks.append(_cpu_ticks())
+        if None not in ticks and len(ticks) == 2 and ticks[1][1] > ticks[0][1]:
+            # The share of the machine's CPU time its hypervisor gave to others while timed.
+            res["cpu_steal"] = (ticks[1][0] - ticks[0][0]) / (ticks[1][1] - ticks[0][1])
+        if hooks:  # the hooks' step() calls' host seconds, the median timed step's
+            res["hooks_s"] = statistics.median(b - a for a, b in zip(hooks[args.warmup:], hooks[args.warmup + 1:]))
         if busy:  # host work per timed step, to set against step_s: host-bound or stalled?
             res["host_busy_s"] = (busy[-1] - busy[args.warmup]) / len(timed)
             res["host_wait_s"] = (waited[-1] - waited[args.warmup]) / len(timed)
@@ -691,6 +743,9 @@ def _extra_columns(results, base):
                      ("bus use", lambda r: "-" if r.get("bus_use") is None else f"{100 * r['bus_use']:.0f}%")]
         if any(r.get("bus_use_h2d_window") is not None for r in results):
             cols.append(("bus use while copying (h2d / d2h)", window_use))
+    if any(r.get("hooks_s") is not None for r in results):  # (in-backward runs)
+        cols += [column("hooks host s/step", "hooks_s"), column("Python probe ms", "python_probe_ms", 1),
+                 ("CPU steal", lambda r: "-" if r.get("cpu_steal") is None else f"{100 * r['cpu_steal']:.1f}%")]
     if any(r.get("target_vs_base") for r in results):
         speed = lambda r: (r["tokens_per_s"] / base["tokens_per_s"]  # noqa: E731
                            if base.get("tokens_per_s") and r.get("tokens_per_s") else None)

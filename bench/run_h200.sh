@@ -68,6 +68,8 @@
 #   bash bench/run_h200.sh inbwd4kinflight  # the 4k point (--timing item) with the bound on gradients in flight
 #                                   # at 1 (as shipped), 2 and 4 GiB (OFFLOAD_PLUGIN_IN_FLIGHT_MIB), two rounds
 #                                   # (about 6 minutes)
+#   bash bench/run_h200.sh inbwd4khost  # inbwd4kitem, each run with its hooks' host time, the host's Python pace and
+#                                   # CPU steal beside its step (about 3 minutes)
 #   bash bench/run_h200.sh busprobe # the host's NUMA layout, the bus per CPU node and on newly pinned buffers, and
 #                                   # four AdamW8bit 4k runs each after a bus check (about 4 minutes)
 #   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in two rounds (a 3B random
@@ -248,6 +250,12 @@ for stage in "$@"; do
                 OFFLOAD_PLUGIN_IN_FLIGHT_MIB=$mib inbwd4k inflight$mib-round$i inflight$mib --timing item \
                     --optimizers "$(alternating $i)"
             done
+        done ;;
+    inbwd4khost)
+        # inbwd4kitem again, each run with its hooks' host seconds a step, a fixed Python loop's time and the
+        # machine's CPU steal (bench_train.py records them for in-backward runs): is a slow run a slow host?
+        for i in 1 2 3; do
+            inbwd4k host-round$i host --timing item --optimizers "$(alternating $i)"
         done ;;
     busprobe)
         # why single AdamW8bit runs at 4k take 0.61-0.63 s or 0.68-0.75 s a step, each run one or the other

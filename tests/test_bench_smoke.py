@@ -347,7 +347,14 @@ def test_bench_train_in_backward_and_compact_modes_cpu_smoke(tmp_path):
     for name in modes:
         assert "error" not in results[name], results[name]
         assert len(set(results[name]["losses"])) == 3, name  # the weights moved
+        assert results[name]["python_probe_ms"] > 0, name  # (the host's pace, for comparing runs)
     assert results["offload_in_bwd"]["losses"] == results["gpu_adamw_in_bwd"]["losses"]
+    # The hooks' host seconds per step: each in-backward run's hooks stepped (a median of
+    # positive times); runs stepped after backward have none.
+    for name in ("gpu_adamw_in_bwd", "offload_in_bwd"):
+        assert 0 < results[name]["hooks_s"] < max(results[name]["step_times"]), name
+    assert "hooks_s" not in results["offload_grads_compact_early"]
+    assert "| hooks host s/step | Python probe ms | CPU steal |" in proc.stdout
 
 
 def test_stock_bench_gives_every_run_the_same_batches(tmp_path):
