@@ -367,6 +367,15 @@ def _cpu_ticks():
     return fields[7], sum(fields)
 
 
+def _thp_mode():
+    """Linux's transparent huge page mode (the bracketed word), or None."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else None
+
+
 def _python_probe_ms(rounds: int = 5) -> float:
     """Milliseconds a fixed pure-Python loop takes (the best of ``rounds``): the host's pace
     for the hooks' Python, to compare runs of one call."""
@@ -616,6 +625,7 @@ def run_single(args, name):
             res["peak_gpu_gib"] = torch.cuda.max_memory_allocated() / GIB
             res["reserved_gpu_gib"] = torch.cuda.max_memory_reserved() / GIB
         res["host_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
+        res["host_huge_gib"] = bus.huge_page_gib()
     return res
 
 
@@ -745,6 +755,7 @@ def _extra_columns(results, base):
             cols.append(("bus use while copying (h2d / d2h)", window_use))
     if any(r.get("hooks_s") is not None for r in results):  # (in-backward runs)
         cols += [column("hooks host s/step", "hooks_s"), column("Python probe ms", "python_probe_ms", 1),
+                 column("huge-page GiB", "host_huge_gib", 1),
                  ("CPU steal", lambda r: "-" if r.get("cpu_steal") is None else f"{100 * r['cpu_steal']:.1f}%")]
     if any(r.get("target_vs_base") for r in results):
         speed = lambda r: (r["tokens_per_s"] / base["tokens_per_s"]  # noqa: E731
@@ -889,6 +900,7 @@ def parent_main(args):
                      ("torch", "torchtune", "torchao", "bitsandbytes", "offload-plugin")},
         "git_commit": _git_commit(),
         "host_cpus": os.cpu_count(),
+        "transparent_hugepage": _thp_mode(),
         "args": {k: v for k, v in vars(args).items() if k not in ("single", "out")},
         "trainable_params": trainable,
         "cpu_adamw_reference": ref,

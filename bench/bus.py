@@ -65,6 +65,57 @@ def series(gib: float, chunk: Optional[int], count: int) -> list:
     return out
 
 
+def huge_page_gib():
+    """GiB of this process's memory in transparent huge pages (/proc/self/smaps_rollup), or
+    None off Linux: the optimizer's host state asks for them (host_buffers), and whether it
+    got them decides how many pages each copy to or from the GPU walks."""
+    try:
+        for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def state_like(gib: float, blocks: int, count: int, chunk_bytes: int = 1 << 24) -> list:
+    """Both directions at once over host memory pinned as the optimizer pins its state
+    (host_buffers: a block advised to use huge pages, faulted in, then cudaHostRegister),
+    ``gib`` GiB in ``blocks`` blocks, ``count`` times on new blocks: per try the GB/s each
+    way and the process's huge-page GiB. A run's state is placed anew by each process; the
+    buffers of :func:`bandwidth` are pinned by torch's allocator instead."""
+    import time
+
+    from offload_plugin import host_buffers
+
+    out = []
+    per = int(gib * 2**30) // blocks
+    dev = [torch.empty(chunk_bytes, dtype=torch.uint8, device="cuda") for _ in range(4)]
+    h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
+    for _ in range(count):
+        host = [host_buffers._huge_page_block(per, torch.uint8) for _ in range(blocks)]
+        pinned = all([host_buffers._pin(b) for b in host])
+
+        def run() -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for k, (b, a) in enumerate((b, a) for b in host for a in range(0, per, chunk_bytes)):
+                n = min(per, a + chunk_bytes) - a
+                with torch.cuda.stream(h2d):  # (contents do not matter: only the time)
+                    dev[k % 2][:n].copy_(b[a:a + n], non_blocking=True)
+                with torch.cuda.stream(d2h):
+                    b[a:a + n].copy_(dev[2 + k % 2][:n], non_blocking=True)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        run()
+        seconds = run()
+        out.append({"GBps_each_way": round(per * blocks / seconds / 1e9, 1), "pinned": pinned,
+                    "huge_page_gib": huge_page_gib()})
+        del host  # (run's cell too: unpinned and freed before the next try's blocks)
+    return out
+
+
 def streamed_bytes(opt) -> Optional[dict]:
     """What one step of ``opt`` (ours, or bench_train's in-backward wrapper over ours) moves
     over the bus each way, or None where nothing of it is streamed (another optimizer, or
@@ -159,11 +210,18 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--series", type=int, default=0,
                    help="then this many single tries both ways at once, each on newly pinned buffers")
+    p.add_argument("--state-like", default="",
+                   help="GIB,BLOCKS,TRIES: then both ways at once over GIB GiB pinned as the optimizer pins its "
+                        "state, in BLOCKS blocks, TRIES times on new blocks (e.g. 15,580,3 for 8B's AdamW8bit state)")
     args = p.parse_args()
     got = bandwidth(args.gib, args.chunk)
     if args.series:
         got["series_both_GBps_each_way"] = series(args.gib, args.chunk, args.series)
         print("single tries on new buffers, both at once, GB/s each way:", got["series_both_GBps_each_way"])
+    if args.state_like:
+        gib, blocks, tries = args.state_like.split(",")
+        got["state_like"] = state_like(float(gib), int(blocks), int(tries))
+        print(f"pinned as the optimizer's state, {gib} GiB in {blocks} blocks, both at once:", got["state_like"])
     print(f"pinned copies, {args.gib} GiB each way in pieces of {got['chunk_numel']:,} elements: "
           f"h2d {got['h2d_GBps']} GB/s, d2h {got['d2h_GBps']} GB/s, both at once "
           f"{got['both_GBps_each_way']} GB/s each way ({got['both_GBps_total']} GB/s in all)")

@@ -72,6 +72,8 @@
 #                                   # CPU steal beside its step (about 3 minutes)
 #   bash bench/run_h200.sh busprobe # the host's NUMA layout, the bus per CPU node and on newly pinned buffers, and
 #                                   # four AdamW8bit 4k runs each after a bus check (about 4 minutes)
+#   bash bench/run_h200.sh busstate # the bus over memory pinned as the optimizer's state is, three placements, then
+#                                   # three 4k rounds with each run's huge-page GiB (about 4 minutes)
 #   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in two rounds (a 3B random
 #                                   # checkpoint is written first; about 7 minutes: each run takes about 90 s)
 #   bash bench/run_h200.sh stock3bfull  # Llama-3.2-3B full: the config as shipped, the drop-in and ours (about 6 minutes)
@@ -272,6 +274,13 @@ for stage in "$@"; do
         for i in 1 2 3 4; do
             python3 bench/bus.py --gib 2 --series 2
             inbwd4k busprobe-run$i busprobe --timing item --optimizers adamw8bit_in_bwd
+        done ;;
+    busstate)
+        # the bus over host memory pinned as the optimizer pins its state (8B's AdamW8bit: 15 GiB in about 580
+        # blocks), three placements, then AdamW8bit 4k runs with each run's huge-page GiB beside its step
+        python3 bench/bus.py --gib 2 --state-like 15,580,3 | tee "$OUT/bus_state.txt"
+        for i in 1 2 3; do
+            inbwd4k state-round$i state --timing item --optimizers "$(alternating $i)"
         done ;;
     stock3b)
         python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 2 --steps 12 \

@@ -354,7 +354,9 @@ def test_bench_train_in_backward_and_compact_modes_cpu_smoke(tmp_path):
     for name in ("gpu_adamw_in_bwd", "offload_in_bwd"):
         assert 0 < results[name]["hooks_s"] < max(results[name]["step_times"]), name
     assert "hooks_s" not in results["offload_grads_compact_early"]
-    assert "| hooks host s/step | Python probe ms | CPU steal |" in proc.stdout
+    assert "| hooks host s/step | Python probe ms | huge-page GiB | CPU steal |" in proc.stdout
+    if Path("/proc/self/smaps_rollup").exists():  # (Linux: how much of the process has huge pages)
+        assert all(results[name]["host_huge_gib"] >= 0 for name in modes)
 
 
 def test_stock_bench_gives_every_run_the_same_batches(tmp_path):
@@ -553,6 +555,21 @@ def test_bench_train_adamw8bit_entries_and_bus_columns_cpu_smoke(tmp_path):
     table = report.stdout.split("### smoke-inbwd: tiny full, 256 tokens per step")[1].split("###")[0]
     assert "| 256 | torch AdamW (fused), GPU | none | " in table and "| ours, `AdamW8bit` | 24 GiB |" in table
     assert ">= 0.90x (" in table and "Bus: pinned copies" in table
+
+
+def test_bus_reads_the_process_huge_pages():
+    """bench/bus.py's huge-page count (beside each run's step, and per placement of
+    --state-like): this process's AnonHugePages, in GiB, where Linux reports it."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import bus
+
+    got = bus.huge_page_gib()
+    if not Path("/proc/self/smaps_rollup").exists():
+        assert got is None
+        return
+    kib = next(int(line.split()[1]) for line in Path("/proc/self/smaps_rollup").read_text().splitlines()
+               if line.startswith("AnonHugePages:"))
+    assert got == kib / 2**20
 
 
 def test_bus_spans_and_use():
