@@ -78,12 +78,14 @@ def huge_page_gib():
     return None
 
 
-def state_like(gib: float, blocks: int, count: int, chunk_bytes: int = 1 << 24) -> list:
-    """Both directions at once over host memory pinned as the optimizer pins its state
-    (host_buffers: a block advised to use huge pages, faulted in, then cudaHostRegister),
-    ``gib`` GiB in ``blocks`` blocks, ``count`` times on new blocks: per try the GB/s each
-    way and the process's huge-page GiB. A run's state is placed anew by each process; the
-    buffers of :func:`bandwidth` are pinned by torch's allocator instead."""
+def state_like(gib: float, blocks: int, count: int, method: str = "ours", chunk_bytes: int = 1 << 24) -> list:
+    """Both directions at once over ``gib`` GiB of pinned host memory in ``blocks`` blocks,
+    ``count`` times on new blocks: per try the GB/s each way and the process's huge-page GiB.
+    ``method``: "ours", pinned as the optimizer pins its state (host_buffers: a block advised
+    to use huge pages, faulted in, then cudaHostRegister); "register", the same without the
+    advice; "alloc", torch's pinned allocator (cudaHostAlloc, as :func:`bandwidth`'s buffers).
+    Each process places its state anew: whether some placements copy slower is what this
+    asks."""
     import time
 
     from offload_plugin import host_buffers
@@ -93,8 +95,12 @@ def state_like(gib: float, blocks: int, count: int, chunk_bytes: int = 1 << 24) 
     dev = [torch.empty(chunk_bytes, dtype=torch.uint8, device="cuda") for _ in range(4)]
     h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
     for _ in range(count):
-        host = [host_buffers._huge_page_block(per, torch.uint8) for _ in range(blocks)]
-        pinned = all([host_buffers._pin(b) for b in host])
+        if method == "alloc":
+            host, pinned = [torch.empty(per, dtype=torch.uint8, pin_memory=True) for _ in range(blocks)], True
+        else:
+            host = [host_buffers._huge_page_block(per, torch.uint8) if method == "ours"
+                    else torch.empty(per, dtype=torch.uint8) for _ in range(blocks)]
+            pinned = all([host_buffers._pin(b) for b in host])
 
         def run() -> float:
             torch.cuda.synchronize()
@@ -110,7 +116,7 @@ def state_like(gib: float, blocks: int, count: int, chunk_bytes: int = 1 << 24) 
 
         run()
         seconds = run()
-        out.append({"GBps_each_way": round(per * blocks / seconds / 1e9, 1), "pinned": pinned,
+        out.append({"method": method, "GBps_each_way": round(per * blocks / seconds / 1e9, 1), "pinned": pinned,
                     "huge_page_gib": huge_page_gib()})
         del host  # (run's cell too: unpinned and freed before the next try's blocks)
     return out
@@ -211,8 +217,11 @@ def main() -> None:
     p.add_argument("--series", type=int, default=0,
                    help="then this many single tries both ways at once, each on newly pinned buffers")
     p.add_argument("--state-like", default="",
-                   help="GIB,BLOCKS,TRIES: then both ways at once over GIB GiB pinned as the optimizer pins its "
-                        "state, in BLOCKS blocks, TRIES times on new blocks (e.g. 15,580,3 for 8B's AdamW8bit state)")
+                   help="GIB,BLOCKS,TRIES: then both ways at once over GIB GiB of pinned memory in BLOCKS blocks, "
+                        "TRIES times on new blocks, per --pinning method (e.g. 15,580,3 for 8B's AdamW8bit state)")
+    p.add_argument("--pinning", default="ours",
+                   help="comma-separated methods for --state-like: ours (as the optimizer's state), register "
+                        "(without the huge-page advice), alloc (cudaHostAlloc)")
     args = p.parse_args()
     got = bandwidth(args.gib, args.chunk)
     if args.series:
@@ -220,8 +229,11 @@ def main() -> None:
         print("single tries on new buffers, both at once, GB/s each way:", got["series_both_GBps_each_way"])
     if args.state_like:
         gib, blocks, tries = args.state_like.split(",")
-        got["state_like"] = state_like(float(gib), int(blocks), int(tries))
-        print(f"pinned as the optimizer's state, {gib} GiB in {blocks} blocks, both at once:", got["state_like"])
+        got["state_like"] = []
+        for method in args.pinning.split(","):
+            got["state_like"] += state_like(float(gib), int(blocks), int(tries), method)
+            print(f"{gib} GiB in {blocks} blocks pinned by {method}, both at once:", got["state_like"][-int(tries):],
+                  flush=True)
     print(f"pinned copies, {args.gib} GiB each way in pieces of {got['chunk_numel']:,} elements: "
           f"h2d {got['h2d_GBps']} GB/s, d2h {got['d2h_GBps']} GB/s, both at once "
           f"{got['both_GBps_each_way']} GB/s each way ({got['both_GBps_total']} GB/s in all)")
