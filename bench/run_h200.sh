@@ -73,8 +73,8 @@
 #   bash bench/run_h200.sh busprobe # the host's NUMA layout, the bus per CPU node and on newly pinned buffers, and
 #                                   # four AdamW8bit 4k runs each after a bus check (about 4 minutes)
 #   bash bench/run_h200.sh busstate # the bus over 15 GiB pinned as the optimizer's state is, without huge pages and by
-#                                   # cudaHostAlloc, three placements each, then three 4k rounds with each run's
-#                                   # huge-page GiB (about 5 minutes)
+#                                   # cudaHostAlloc, three placements each, then AdamW8bit 4k runs with the state
+#                                   # pinned as shipped and by cudaHostAlloc in turns, three each (about 6 minutes)
 #   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in two rounds (a 3B random
 #                                   # checkpoint is written first; about 7 minutes: each run takes about 90 s)
 #   bash bench/run_h200.sh stock3bfull  # Llama-3.2-3B full: the config as shipped, the drop-in and ours (about 6 minutes)
@@ -278,12 +278,18 @@ for stage in "$@"; do
         done ;;
     busstate)
         # the bus over host memory pinned as the optimizer pins its state (8B's AdamW8bit: 15 GiB in about 580
-        # blocks), three placements, then AdamW8bit 4k runs with each run's huge-page GiB beside its step
+        # blocks), without the huge-page advice, and by cudaHostAlloc, three placements each; then AdamW8bit 4k
+        # runs with the state pinned as shipped and by cudaHostAlloc (OFFLOAD_PLUGIN_PINNING=alloc) in turns,
+        # each with its huge-page GiB beside its step, and GPU AdamW once
         cat /sys/kernel/mm/transparent_hugepage/enabled; grep -i huge /proc/meminfo
         python3 bench/bus.py --gib 2 --state-like 15,580,3 --pinning ours,register,alloc | tee "$OUT/bus_state.txt"
         for i in 1 2 3; do
-            inbwd4k state-round$i state --timing item --optimizers "$(alternating $i)"
-        done ;;
+            for pinning in $([ $((i % 2)) = 1 ] && echo "ours alloc" || echo "alloc ours"); do
+                OFFLOAD_PLUGIN_PINNING=$pinning inbwd4k pin$pinning-round$i pin$pinning --timing item \
+                    --optimizers adamw8bit_in_bwd
+            done
+        done
+        inbwd4k pin-reference reference --timing item --optimizers gpu_adamw_in_bwd ;;
     stock3b)
         python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 2 --steps 12 \
             --warmup 3 --timeout 100 --out "bench/results/$(date +%F)-stock-3b-qlora-rounds.json" \

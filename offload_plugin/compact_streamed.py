@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import logging
 import math
 import weakref
 from typing import Optional
@@ -38,13 +37,12 @@ import torch
 from offload_plugin import adamw, compact_adam
 from offload_plugin.compact_adam import BLOCK
 from offload_plugin.compact_optimizer import fp32_update
-from offload_plugin.host_buffers import HostSlot, _huge_page_block, _pin
+from offload_plugin.host_buffers import HostSlot, page_locked_block
 from offload_plugin.state_formats import StateFormat
 
 __all__ = ["POOL", "CompactUnit", "HostState", "Coefficients", "stage_layout", "device_refusal", "CompactFormat",
            "FORMAT"]
 
-log = logging.getLogger(__name__)
 
 POOL = "compact"  # the staging ring's pool for compact units (see stage_layout)
 _BYTE_ALIGN = 64
@@ -153,15 +151,8 @@ class HostState:
         """A block per dtype of ``sizes`` elements, page-locked. (One per dtype, carved by
         plain slices: a view that changes the dtype does not keep its block's tensor alive,
         whose collection unpins the memory, see host_buffers._pin.)"""
-        blocks = {}
-        for dtype, numel in sizes.items():
-            block = blocks[dtype] = _huge_page_block(numel, dtype)
-            if self.pin and numel and not _pin(block):
-                log.warning(
-                    "Could not pin %.2f GiB of host memory for the compact state; using "
-                    "pageable memory (slower copies). Check `ulimit -l` and free RAM.",
-                    numel * block.element_size() / 2**30)
-        return blocks
+        return {dtype: page_locked_block(numel, dtype, self.pin, "the streamed state")
+                for dtype, numel in sizes.items()}
 
     def _remember(self, entry: dict) -> None:
         if self.pin:

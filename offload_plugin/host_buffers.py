@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -61,6 +62,26 @@ def _huge_page_block(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialized flat host block, advised to use huge pages (nothing touched yet)."""
     block = torch.empty(numel, dtype=dtype)
     _advise_huge_pages(block)
+    return block
+
+
+# Benchmarks set OFFLOAD_PLUGIN_PINNING=alloc in a recipe's environment to take the
+# page-locked blocks from torch's pinned allocator (cudaHostAlloc, which rounds each size up
+# to a power of two) instead, to compare copies from its memory with copies from ours.
+_PIN_BY_ALLOC = os.environ.get("OFFLOAD_PLUGIN_PINNING", "") == "alloc"
+
+
+def page_locked_block(numel: int, dtype: torch.dtype, pin: bool, what: str = "") -> torch.Tensor:
+    """A flat host block of ``numel`` elements, advised to use huge pages and, with ``pin``,
+    page-locked for copies to and from the GPU. If locking fails the block stays pageable
+    (the copies then run slower) and a warning names ``what`` it holds."""
+    if pin and numel and _PIN_BY_ALLOC:
+        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    block = _huge_page_block(numel, dtype)
+    if pin and numel and not _pin(block):
+        log.warning("Could not pin %.2f GiB of host memory%s; using pageable memory (slower copies to and "
+                    "from the GPU). Check `ulimit -l` and free RAM.",
+                    numel * block.element_size() / 2**30, f" for {what}" if what else "")
     return block
 
 
@@ -129,14 +150,7 @@ class HostArena:
 
     @staticmethod
     def _block(numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
-        block = _huge_page_block(numel, dtype)
-        if pinned and block.numel() > 0 and not _pin(block):
-            log.warning(
-                "Could not pin %.2f GiB of host memory; using pageable memory (slower "
-                "transfers). Check `ulimit -l` and free RAM.",
-                block.numel() * block.element_size() / 2**30,
-            )
-        return block
+        return page_locked_block(numel, dtype, pinned)
 
 
 class ArenaAccount:
@@ -340,12 +354,7 @@ def allocate_moments(slots: list[HostSlot], pin: bool = False) -> None:
         sizes = [slot.master.numel() for slot in group]
         blocks = []
         for _ in range(2):
-            block = _huge_page_block(sum(sizes), dtype)
-            if pin and block.numel() and not _pin(block):
-                log.warning("Could not pin %.2f GiB of host memory for optimizer state; using "
-                            "pageable memory (slower updates). Check `ulimit -l` and free RAM.",
-                            block.numel() * block.element_size() / 2**30)
-            blocks.append(block.split(sizes))
+            blocks.append(page_locked_block(sum(sizes), dtype, pin, "optimizer state").split(sizes))
         for slot, m, v in zip(group, *blocks):
             slot.moments = (m.view(slot.master.shape), v.view(slot.master.shape))
 

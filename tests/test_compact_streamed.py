@@ -169,7 +169,7 @@ def test_page_locked_blocks_live_as_long_as_the_state(monkeypatch):
     import gc
     import weakref
 
-    from offload_plugin import compact_streamed
+    from offload_plugin import compact_streamed, host_buffers
 
     pinned, unpinned = [], []
 
@@ -178,7 +178,7 @@ def test_page_locked_blocks_live_as_long_as_the_state(monkeypatch):
         weakref.finalize(block, unpinned.append, block.dtype)
         return True
 
-    monkeypatch.setattr(compact_streamed, "_pin", record_pin)
+    monkeypatch.setattr(host_buffers, "_pin", record_pin)
     monkeypatch.setattr(compact_streamed.HostState, "__init__",
                         lambda self, pin, _init=compact_streamed.HostState.__init__: _init(self, True))
     model, opt = build(True, monkeypatch)
