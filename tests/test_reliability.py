@@ -403,6 +403,7 @@ def test_pinning_failure_falls_back_to_pageable_memory(monkeypatch, caplog):
     assert b.data_ptr() == a.data_ptr() + 3 * 4  # consecutive in one block
 
 
+@pytest.mark.slow  # (starts processes: left out of the quick lane)
 def test_pinning_by_torchs_allocator_is_a_benchmark_setting():
     """OFFLOAD_PLUGIN_PINNING=alloc (bench/run_h200.sh compares copy speeds with it) reaches
     host_buffers through the environment, and changes only blocks that are to be pinned."""
