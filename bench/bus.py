@@ -81,9 +81,10 @@ def huge_page_gib():
 def state_like(gib: float, blocks: int, count: int, method: str = "ours", chunk_bytes: int = 1 << 24) -> list:
     """Both directions at once over ``gib`` GiB of pinned host memory in ``blocks`` blocks,
     ``count`` times on new blocks: per try the GB/s each way and the process's huge-page GiB.
-    ``method``: "ours", pinned as the optimizer pins its state (host_buffers: a block advised
-    to use huge pages, faulted in, then cudaHostRegister); "register", the same without the
-    advice; "alloc", torch's pinned allocator (cudaHostAlloc, as :func:`bandwidth`'s buffers).
+    ``method``: "ours", pinned as the optimizer pins its state (host_buffers.page_locked_block:
+    a block advised to use huge pages, faulted in, then cudaHostRegister); "register", the
+    same without the advice; "alloc", torch's pinned allocator (cudaHostAlloc, as
+    :func:`bandwidth`'s buffers).
     Each process places its state anew: whether some placements copy slower is what this
     asks."""
     import time
@@ -95,12 +96,15 @@ def state_like(gib: float, blocks: int, count: int, method: str = "ours", chunk_
     dev = [torch.empty(chunk_bytes, dtype=torch.uint8, device="cuda") for _ in range(4)]
     h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
     for _ in range(count):
-        if method == "alloc":
-            host, pinned = [torch.empty(per, dtype=torch.uint8, pin_memory=True) for _ in range(blocks)], True
+        if method == "ours":
+            host = [host_buffers.page_locked_block(per, torch.uint8, pin=True) for _ in range(blocks)]
+        elif method == "register":
+            host = [torch.empty(per, dtype=torch.uint8) for _ in range(blocks)]
+            for b in host:
+                host_buffers._pin(b)
         else:
-            host = [host_buffers._huge_page_block(per, torch.uint8) if method == "ours"
-                    else torch.empty(per, dtype=torch.uint8) for _ in range(blocks)]
-            pinned = all([host_buffers._pin(b) for b in host])
+            host = [torch.empty(per, dtype=torch.uint8, pin_memory=True) for _ in range(blocks)]
+        pinned = all(b.is_pinned() for b in host)
 
         def run() -> float:
             torch.cuda.synchronize()
