@@ -75,9 +75,11 @@
 #   bash bench/run_h200.sh busstate # the bus over 15 GiB pinned as the optimizer's state is, without huge pages and by
 #                                   # cudaHostAlloc, three placements each, then AdamW8bit 4k runs with the state
 #                                   # pinned as shipped and by cudaHostAlloc in turns, three each (about 6 minutes)
+#   bash bench/run_h200.sh allocator  # AdamW8bit 4k runs with torch's caching allocator as shipped and with expandable
+#                                   # segments in turns, three each, with each step's allocator retries (about 5 minutes)
 #   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in two rounds (a 3B random
 #                                   # checkpoint is written first; about 7 minutes: each run takes about 90 s)
-#   bash bench/run_h200.sh stock3bfull  # Llama-3.2-3B full: the config as shipped, the drop-in and ours (about 6 minutes)
+#   bash bench/run_h200.sh stock3bfull  # Llama-3.2-3B full: the config as shipped, the drop-in and ours, 2 rounds (about 5 minutes)
 # Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
@@ -290,13 +292,24 @@ for stage in "$@"; do
             done
         done
         inbwd4k pin-reference reference --timing item --optimizers gpu_adamw_in_bwd ;;
+    allocator)
+        # AdamW8bit at 4k with the caching allocator as shipped and with expandable segments
+        # (PYTORCH_CUDA_ALLOC_CONF), three runs each in turns, each step's allocator retries,
+        # cudaMalloc and cudaFree calls in its JSON; GPU AdamW once
+        for i in 1 2 3; do
+            for conf in $([ $((i % 2)) = 1 ] && echo "default expandable" || echo "expandable default"); do
+                PYTORCH_CUDA_ALLOC_CONF=$([ $conf = expandable ] && echo expandable_segments:True) \
+                    inbwd4k alloc$conf-round$i alloc$conf --timing item --optimizers adamw8bit_in_bwd
+            done
+        done
+        inbwd4k alloc-reference reference --timing item --optimizers gpu_adamw_in_bwd ;;
     stock3b)
         python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 2 --steps 12 \
             --warmup 3 --timeout 100 --out "bench/results/$(date +%F)-stock-3b-qlora-rounds.json" \
             | tee "$OUT/stock_3b_qlora_rounds.txt" ;;
     stock3bfull)
-        python3 bench/bench_stock.py --job full --model 3b --runs stock_as_shipped,ours_stock,ours_recipe --steps 8 \
-            --warmup 3 --timeout 120 --out "bench/results/$(date +%F)-stock-3b-full.json" | tee "$OUT/stock_3b_full.txt" ;;
+        python3 bench/bench_stock.py --job full --model 3b --runs stock_as_shipped,ours_stock,ours_recipe --repeats 2 \
+            --steps 12 --warmup 3 --timeout 120 --out "bench/results/$(date +%F)-stock-3b-full.json" | tee "$OUT/stock_3b_full.txt" ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done
