@@ -367,6 +367,12 @@ def _cpu_ticks():
     return fields[7], sum(fields)
 
 
+def _allocator_counts():
+    """torch's CUDA caching allocator so far: (alloc retries, cudaMalloc calls, cudaFree calls)."""
+    stats = torch.cuda.memory_stats()
+    return tuple(stats.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free"))
+
+
 def _thp_mode():
     """Linux's transparent huge page mode (the bracketed word), or None."""
     try:
@@ -526,6 +532,9 @@ def run_single(args, name):
         busy = [opt.engine.worker.busy_s] if is_ours else []  # host worker's job seconds so far
         waited = [opt.engine.worker.waited_s] if is_ours else []  # ...spent waiting for copies
         ticks = []
+        # The caching allocator's work per step: under a GPU cap a step that cannot find a
+        # cached block frees the cache (cudaFree waits for the whole device) and retries.
+        allocs = [_allocator_counts()] if dev == "cuda" else []
         for step in range(args.steps):
             if step == args.warmup:
                 ticks.append(_cpu_ticks())
@@ -559,6 +568,8 @@ def run_single(args, name):
                 waited.append(opt.engine.worker.waited_s)
             if hooks:
                 hooks.append(opt.hooks_s)
+            if allocs:
+                allocs.append(_allocator_counts())
             print(f"[{name}] step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
                   file=sys.stderr, flush=True)
         if args.profile_bus and dev == "cuda" and is_ours:
@@ -592,6 +603,9 @@ def run_single(args, name):
         if None not in ticks and len(ticks) == 2 and ticks[1][1] > ticks[0][1]:
             # The share of the machine's CPU time its hypervisor gave to others while timed.
             res["cpu_steal"] = (ticks[1][0] - ticks[0][0]) / (ticks[1][1] - ticks[0][1])
+        if allocs:  # per step: (alloc retries, cudaMalloc calls, cudaFree calls)
+            res["allocator_per_step"] = [[b - a for a, b in zip(x, y)] for x, y in zip(allocs, allocs[1:])]
+            res["alloc_retries"] = sum(x[0] for x in res["allocator_per_step"][args.warmup:])
         if hooks:  # the hooks' step() calls' host seconds, the median timed step's
             res["hooks_s"] = statistics.median(b - a for a, b in zip(hooks[args.warmup:], hooks[args.warmup + 1:]))
         if busy:  # host work per timed step, to set against step_s: host-bound or stalled?
@@ -756,7 +770,8 @@ def _extra_columns(results, base):
     if any(r.get("hooks_s") is not None for r in results):  # (in-backward runs)
         cols += [column("hooks host s/step", "hooks_s"), column("Python probe ms", "python_probe_ms", 1),
                  column("huge-page GiB", "host_huge_gib", 1),
-                 ("CPU steal", lambda r: "-" if r.get("cpu_steal") is None else f"{100 * r['cpu_steal']:.1f}%")]
+                 ("CPU steal", lambda r: "-" if r.get("cpu_steal") is None else f"{100 * r['cpu_steal']:.1f}%"),
+                 column("GPU alloc retries", "alloc_retries", 0)]
     if any(r.get("target_vs_base") for r in results):
         speed = lambda r: (r["tokens_per_s"] / base["tokens_per_s"]  # noqa: E731
                            if base.get("tokens_per_s") and r.get("tokens_per_s") else None)
@@ -901,6 +916,7 @@ def parent_main(args):
         "git_commit": _git_commit(),
         "host_cpus": os.cpu_count(),
         "transparent_hugepage": _thp_mode(),
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "args": {k: v for k, v in vars(args).items() if k not in ("single", "out")},
         "trainable_params": trainable,
         "cpu_adamw_reference": ref,
