@@ -572,18 +572,26 @@ def run_single(args, name):
                 allocs.append(_allocator_counts())
             print(f"[{name}] step {step}: {times[-1]:.3f} s, loss {losses[-1]:.4f}",
                   file=sys.stderr, flush=True)
+        def one_step():
+            forward_backward()
+            scale_clip()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(dev)
         if args.profile_bus and dev == "cuda" and is_ours:
-            def one_step():
-                forward_backward()
-                scale_clip()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                sync(dev)
             try:  # one more step, profiled: where its copies ran (bench/bus.py's copy_window)
                 sync(dev)
                 res.update(bus.copy_window(one_step))
             except Exception as err:  # (the profiler's trouble is not the optimizer's)
                 res["notes"].append(f"--profile-bus failed: {type(err).__name__}: {str(err)[:200]}")
+        if args.profile_steps and dev == "cuda":
+            # More steps, each profiled on its own: whether a slow step's copies ran slower
+            # (the bus), its kernels longer (the GPU), or neither (gaps: the host, waits).
+            try:
+                sync(dev)
+                res["step_profiles"] = [bus.copy_window(one_step) for _ in range(args.profile_steps)]
+            except Exception as err:
+                res["notes"].append(f"--profile-steps failed: {type(err).__name__}: {str(err)[:200]}")
         if is_ours:
             opt.finish_step()
         if marks:
@@ -1001,6 +1009,9 @@ def parse_args(argv=None):
     p.add_argument("--profile-bus", action="store_true",
                    help="profile one more step of ours (torch.profiler, CUDA): the window from its first "
                         "host<->GPU copy to its last, for the bus use while the step transfers")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="then profile this many more steps of each CUDA run, one at a time: each one's wall "
+                        "time, and the time its copies each way and its kernels ran (step_profiles)")
     p.add_argument("--bus-json", default=None,
                    help="the copy bandwidth measured before (bench/bus.py --json), instead")
     p.add_argument("--label", default=None,

@@ -177,7 +177,8 @@ def spans(intervals: list) -> dict:
 
 def copy_window(step) -> dict:
     """``step()`` (one training step, synchronized) under torch.profiler: per direction the
-    window from the first host<->device copy to the last and the time copies ran in it."""
+    window from the first host<->device copy to the last and the time copies ran in it, and
+    the same for the GPU's kernels (``kernel_*``: the time at least one kernel ran)."""
     import time
 
     from torch.autograd import DeviceType
@@ -187,12 +188,24 @@ def copy_window(step) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step()
     out = {"profiled_step_s": time.perf_counter() - t0}
-    found: dict = {"h2d": [], "d2h": []}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA and ("HtoD" in e.name or "DtoH" in e.name):
+    out.update(device_spans(e for e in prof.events() if e.device_type == DeviceType.CUDA))
+    return out
+
+
+def device_spans(events) -> dict:
+    """A profiled step's CUDA events -> :func:`spans` of its host->device copies (``h2d_*``),
+    device->host copies (``d2h_*``) and kernels (``kernel_*``; other copies and memsets
+    are none of these)."""
+    found: dict = {"h2d": [], "d2h": [], "kernel": []}
+    for e in events:
+        if "HtoD" in e.name or "DtoH" in e.name:
             found["h2d" if "HtoD" in e.name else "d2h"].append((e.time_range.start, e.time_range.end))
+        elif "Memcpy" not in e.name and "Memset" not in e.name:
+            found["kernel"].append((e.time_range.start, e.time_range.end))
+    out = {}
     for kind, intervals in found.items():
-        out.update({f"{kind}_{k}": v for k, v in spans(intervals).items()})
+        names = {"copies": "launches"} if kind == "kernel" else {}
+        out.update({f"{kind}_{names.get(k, k)}": v for k, v in spans(intervals).items()})
     return out
 
 

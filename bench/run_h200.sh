@@ -77,6 +77,8 @@
 #                                   # pinned as shipped and by cudaHostAlloc in turns, three each (about 6 minutes)
 #   bash bench/run_h200.sh allocator  # AdamW8bit 4k runs with torch's caching allocator as shipped and with expandable
 #                                   # segments in turns, three each, with each step's allocator retries (about 5 minutes)
+#   bash bench/run_h200.sh stepprofile  # AdamW8bit 4k runs, each profiling 8 more steps one by one: what a slow step
+#                                   # spends longer on, copies, kernels or neither (about 4 minutes)
 #   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in two rounds (a 3B random
 #                                   # checkpoint is written first; about 7 minutes: each run takes about 90 s)
 #   bash bench/run_h200.sh stock3bfull  # Llama-3.2-3B full: the config as shipped, the drop-in and ours, 2 rounds (about 5 minutes)
@@ -303,6 +305,13 @@ for stage in "$@"; do
             done
         done
         inbwd4k alloc-reference reference --timing item --optimizers gpu_adamw_in_bwd ;;
+    stepprofile)
+        # AdamW8bit at 4k, three runs, each then profiling 8 more steps one at a time (their wall
+        # time, copy time each way, kernel time: step_profiles in the JSON); GPU AdamW once
+        for i in 1 2 3; do
+            inbwd4k profile-round$i profile --timing item --optimizers adamw8bit_in_bwd --profile-steps 8
+        done
+        inbwd4k profile-reference reference --timing item --optimizers gpu_adamw_in_bwd --profile-steps 4 ;;
     stock3b)
         python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 2 --steps 12 \
             --warmup 3 --timeout 100 --out "bench/results/$(date +%F)-stock-3b-qlora-rounds.json" \

@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -585,6 +586,14 @@ def test_bus_spans_and_use():
     assert got["bus_floor_s"] == 0.04 and abs(got["bus_use"] - 0.4) < 1e-9
     assert abs(got["bus_use_h2d_window"] - 0.8) < 1e-9 and "bus_use_d2h_window" not in got
     assert bus.use({"step_s": 1.0}, {"both_GBps_each_way": 50.0}) == {}
+    # A profiled step's CUDA events (names as CUDA's profiler gives them), in microseconds.
+    event = lambda name, a, b: SimpleNamespace(name=name, time_range=SimpleNamespace(start=a, end=b))  # noqa: E731
+    got = bus.device_spans([event("Memcpy HtoD (Pinned -> Device)", 0, 10), event("Memcpy DtoH (Device -> Pinned)", 5, 25),
+                            event("ampere_bf16_gemm", 0, 30), event("triton_adamw8bit", 20, 50),
+                            event("Memcpy DtoD (Device -> Device)", 60, 90), event("Memset (Device)", 60, 90)])
+    assert got == {"h2d_window_s": 10e-6, "h2d_busy_s": 10e-6, "h2d_copies": 1,
+                   "d2h_window_s": 20e-6, "d2h_busy_s": 20e-6, "d2h_copies": 1,
+                   "kernel_window_s": 50e-6, "kernel_busy_s": 50e-6, "kernel_launches": 2}
 
 
 def test_what_fits_searches_largest_first_and_leaves_out_what_cannot_fit():
