@@ -16,6 +16,7 @@ same batches (see ``summarize``).
     python bench/bench_stock.py --job lora --model 8b --runs stock_as_shipped,ours_stock --steps 6  # bf16 base weights
     python bench/bench_stock.py --job full --model 8b --gpu-gib 24 --runs ours_stock,torchao_offload_grads --steps 5
     python bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 2 --steps 12 --warmup 3
+    python bench/bench_stock.py --job qlora --model mistral_7b --runs ours_stock,ours_recipe --steps 10 --warmup 3
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = {  # model -> torchtune builder, and per job: (torchtune's stock config, our config);
-    #            the checkpoint's files are as the configs name them (SHARDS)
+    #            the checkpoint's files are as the configs name them (CHECKPOINTS)
     "1b": ("torchtune.models.llama3_2.llama3_2_1b", {
         "full": ("llama3_2/1B_full_single_device", "configs/llama3_2/1B_full_offload_single_device.yaml"),
         "qlora": ("llama3_2/1B_qlora_single_device", "configs/llama3_2/1B_qlora_offload_single_device.yaml"),
@@ -48,8 +49,36 @@ MODELS = {  # model -> torchtune builder, and per job: (torchtune's stock config
         "qlora": ("llama3_1/8B_qlora_single_device", "configs/llama3_1/8B_qlora_offload_single_device.yaml"),
         "lora": ("llama3_1/8B_lora_single_device", "configs/llama3_1/8B_lora_offload_single_device.yaml"),
     }),
+    "gemma2_2b": ("torchtune.models.gemma2.gemma2_2b", {
+        "qlora": ("gemma2/2B_qlora_single_device", "configs/gemma2/2B_qlora_offload_single_device.yaml"),
+    }),
+    "gemma2_9b": ("torchtune.models.gemma2.gemma2_9b", {
+        "qlora": ("gemma2/9B_qlora_single_device", "configs/gemma2/9B_qlora_offload_single_device.yaml"),
+    }),
+    "mistral_7b": ("torchtune.models.mistral.mistral_7b", {
+        "qlora": ("mistral/7B_qlora_single_device", "configs/mistral/7B_qlora_offload_single_device.yaml"),
+    }),
+    # torchtune ships no Qwen2.5 QLoRA config: the stock run is its LoRA config with NF4 base
+    # weights (STOCK_OVERRIDES), as ours is derived from it.
+    "qwen2_5_7b": ("torchtune.models.qwen2_5.qwen2_5_7b_instruct", {
+        "qlora": ("qwen2_5/7B_lora_single_device", "configs/qwen2_5/7B_qlora_offload_single_device.yaml"),
+    }),
 }
-SHARDS = {"1b": 1, "3b": 2, "8b": 4}  # safetensors files the configs' checkpointer lists
+# model -> (files the configs' checkpointer lists, the tokenizer its builder reads, whether
+# the files are pytorch_model-*.bin): what bench/random_checkpoint.py writes
+CHECKPOINTS = {"1b": (1, "tiktoken", False), "3b": (2, "tiktoken", False), "8b": (4, "tiktoken", False),
+               "gemma2_2b": (3, "sentencepiece", False), "gemma2_9b": (8, "sentencepiece", False),
+               "mistral_7b": (2, "sentencepiece", True), "qwen2_5_7b": (4, "qwen", False)}
+STOCK_OVERRIDES = {"qwen2_5_7b": ["model.quantize_base=True"]}  # on every stock-recipe run of the model
+
+
+def tokenizer_files(model: str, checkpoint: Path) -> dict:
+    """The configs' tokenizer options, pointing at the random checkpoint's folder."""
+    if CHECKPOINTS[model][1] == "qwen":
+        return {"path": checkpoint / "vocab.json", "merges_file": checkpoint / "merges.txt"}
+    return {"path": checkpoint / "original" / "tokenizer.model"}
+
+
 OURS = "optimizer._component_=offload_plugin.CPUOffloadOptimizer"
 ACCUM_CLIP = ["gradient_accumulation_steps=2", "clip_grad_norm=1.0"]
 # name -> (recipe: "stock" or "ours", overrides). Stock full configs ship PagedAdamW8bit with
@@ -135,14 +164,14 @@ def command(args, name: str) -> list[str]:
     recipe, overrides = RUNS[args.job][name]
     recipe_name = "full_finetune_single_device" if args.job == "full" else "lora_finetune_single_device"
     if recipe == "stock":
-        target = [recipe_name, "--config", stock_config]
+        target = [recipe_name, "--config", stock_config, *STOCK_OVERRIDES.get(args.model, [])]
     else:
         target = [f"offload_plugin/recipes/{recipe_name}.py", "--config", our_config]
     out = run_dir(args, name)
     data = args.work / "demo" / "alpaca_tiny.json"
     common = [
         f"checkpointer.checkpoint_dir={args.checkpoint}",
-        f"tokenizer.path={args.checkpoint}/original/tokenizer.model",
+        *(f"tokenizer.{k}={v}" for k, v in tokenizer_files(args.model, args.checkpoint).items()),
         f"tokenizer.max_seq_len={args.seq_len}", f"batch_size={args.batch_size}",
         "dataset.source=json", f"dataset.data_files={data}", "dataset.split=train",
         f"max_steps_per_epoch={args.steps}", "epochs=1",
@@ -290,10 +319,11 @@ def main() -> None:
     if not (args.work / "demo" / "alpaca_tiny.json").exists():
         subprocess.run([sys.executable, "-m", "offload_plugin.demo", "prepare",
                         "--output-dir", str(args.work / "demo")], check=True, env=env, cwd=REPO)
-    if not (args.checkpoint / "original" / "tokenizer.model").exists():
+    if not all(f.exists() for f in tokenizer_files(args.model, args.checkpoint).values()):  # (written last)
+        shards, tokenizer, bin_files = CHECKPOINTS[args.model]
         subprocess.run([sys.executable, str(REPO / "bench" / "random_checkpoint.py"), "--model",
-                        MODELS[args.model][0], "--output-dir", str(args.checkpoint),
-                        "--shards", str(SHARDS[args.model])], check=True, env=env)
+                        MODELS[args.model][0], "--output-dir", str(args.checkpoint), "--shards", str(shards),
+                        "--tokenizer", tokenizer, *(["--bin"] if bin_files else [])], check=True, env=env)
     results = {}
     base_name = baseline(args.job, names)
     for repeat in range(args.repeats):

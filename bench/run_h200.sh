@@ -79,6 +79,8 @@
 #                                   # segments in turns, three each, with each step's allocator retries (about 5 minutes)
 #   bash bench/run_h200.sh stepprofile  # AdamW8bit 4k runs, each profiling 8 more steps one by one: what a slow step
 #                                   # spends longer on, copies, kernels or neither (about 4 minutes)
+#   bash bench/run_h200.sh stockqlora1  # our Gemma-2-2B and Mistral-7B QLoRA configs against the drop-in (stockqlora2:
+#                                   # Qwen2.5-7B and Gemma-2-9B); random checkpoints, one run each (about 8 minutes each)
 #   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in two rounds (a 3B random
 #                                   # checkpoint is written first; about 7 minutes: each run takes about 90 s)
 #   bash bench/run_h200.sh stock3bfull  # Llama-3.2-3B full: the config as shipped, the drop-in and ours, 2 rounds (about 5 minutes)
@@ -312,6 +314,16 @@ for stage in "$@"; do
             inbwd4k profile-round$i profile --timing item --optimizers adamw8bit_in_bwd --profile-steps 8
         done
         inbwd4k profile-reference reference --timing item --optimizers gpu_adamw_in_bwd --profile-steps 4 ;;
+    stockqlora1|stockqlora2)
+        # Our QLoRA configs for Gemma 2, Mistral and Qwen2.5 against the drop-in (each model's
+        # random checkpoint is removed after its runs: the disk holds about three)
+        models=$([ "$stage" = stockqlora1 ] && echo "gemma2_2b mistral_7b" || echo "qwen2_5_7b gemma2_9b")
+        for model in $models; do
+            python3 bench/bench_stock.py --job qlora --model "$model" --runs ours_stock,ours_recipe --steps 10 \
+                --warmup 3 --timeout 150 --out "bench/results/$(date +%F)-stock-$model-qlora-ours-vs-dropin.json" \
+                | tee "$OUT/stock_${model}_qlora.txt"
+            rm -rf "/tmp/offload-plugin/stock/random-$model"
+        done ;;
     stock3b)
         python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 2 --steps 12 \
             --warmup 3 --timeout 100 --out "bench/results/$(date +%F)-stock-3b-qlora-rounds.json" \

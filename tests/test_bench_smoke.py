@@ -308,6 +308,56 @@ def test_random_checkpoint_shards_are_named_as_the_configs_list_them():
     assert module.shards(sd, 1) == [("model.safetensors", sd)]
 
 
+TINY = ["vocab_size=300", "num_layers=2", "num_heads=4", "num_kv_heads=2", "embed_dim=64",
+        "intermediate_dim=128", "max_seq_len=128"]
+
+
+@pytest.mark.parametrize("builder, args, model_type, files, tokenizer", [
+    ("torchtune.models.llama3._component_builders.llama3", TINY, "LLAMA3", ["model.safetensors"],
+     ("torchtune.models.llama3.llama3_tokenizer", "original/tokenizer.model", {})),
+    ("torchtune.models.gemma2._component_builders.gemma2", TINY + ["head_dim=16"], "GEMMA2",
+     [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)],
+     ("torchtune.models.gemma.gemma_tokenizer", "original/tokenizer.model", {})),
+    ("torchtune.models.mistral._component_builders.mistral", TINY, "MISTRAL",
+     ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"],
+     ("torchtune.models.mistral.mistral_tokenizer", "original/tokenizer.model", {})),
+    ("torchtune.models.qwen2._component_builders.qwen2", TINY, "QWEN2",
+     [f"model-0000{i}-of-00004.safetensors" for i in (1, 2, 3, 4)],
+     ("torchtune.models.qwen2_5.qwen2_5_tokenizer", "vocab.json", {"merges_file": "merges.txt"})),
+], ids=["llama3", "gemma2", "mistral", "qwen2"])
+def test_random_checkpoint_loads_through_torchtunes_checkpointer_and_tokenizer(
+        tmp_path, monkeypatch, builder, args, model_type, files, tokenizer):
+    """bench/random_checkpoint.py for each model family our configs cover: the files the
+    stock configs list, which torchtune's FullModelHFCheckpointer turns back into the very
+    weights written, and a tokenizer its builder loads that round-trips text byte by byte."""
+    from omegaconf import OmegaConf
+    from torchtune import config as tt_config
+    from torchtune.training import FullModelHFCheckpointer, set_default_dtype
+
+    module = _bench_module("random_checkpoint")
+    kind = {"GEMMA2": "sentencepiece", "MISTRAL": "sentencepiece", "QWEN2": "qwen"}.get(model_type, "tiktoken")
+    ckpt_dir = tmp_path / "checkpoint"
+    argv = ["random_checkpoint.py", "--model", builder, "--output-dir", str(ckpt_dir), "--shards", str(len(files)),
+            "--tokenizer", kind, *[f"--arg={a}" for a in args]] + (["--bin"] if files[0].endswith(".bin") else [])
+    monkeypatch.setattr(sys, "argv", argv)
+    module.main()
+    ckpt = FullModelHFCheckpointer(checkpoint_dir=str(ckpt_dir), checkpoint_files=files, model_type=model_type,
+                                   output_dir=str(tmp_path / "out"))
+    loaded = ckpt.load_checkpoint()["model"]
+    torch.manual_seed(0)  # (the script's default seed: the same weights again)
+    with set_default_dtype(torch.bfloat16):
+        model = tt_config.instantiate(OmegaConf.create({"_component_": builder, **OmegaConf.from_dotlist(args)}))
+    expected = model.state_dict()
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    name, path, extra = tokenizer
+    tok = tt_config.instantiate(OmegaConf.create(
+        {"_component_": name, "path": str(ckpt_dir / path), **{k: str(ckpt_dir / v) for k, v in extra.items()}}))
+    text = "Below is an instruction.  Write a response: wörld\n"
+    ids = tok.encode(text, add_bos=False, add_eos=False)
+    assert max(ids) < 300 and tok.decode(ids) == text
+
+
 def _bench_module(name):
     spec = importlib.util.spec_from_file_location(name, REPO / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
@@ -396,7 +446,9 @@ def test_stock_bench_runs_name_real_recipes_and_configs(tmp_path):
                     assert script.is_file() and (REPO / config).is_file(), (model, job, name)
                 want = "full_finetune" if job == "full" else "lora_finetune"
                 assert want in target and (job == "full") == ("full" in config), (model, job, name)
-                assert ("qlora" in config) == (job == "qlora"), (model, job, name)
+                # (torchtune has no Qwen2.5 QLoRA config: its LoRA one with NF4 base weights)
+                qlora = "qlora" in config or "model.quantize_base=True" in cmd
+                assert qlora == (job == "qlora"), (model, job, name)
 
 
 def test_stock_bench_pairs_the_steps_of_alternating_runs():
@@ -656,24 +708,36 @@ def test_what_fits_tiny_cpu_smoke(tmp_path):
     assert "## What fits where" in report.stdout and "| AdamW8bit | **tiny_4l**" in report.stdout
 
 
-def test_stock_bench_models_name_configs_that_exist_with_the_shards_it_writes():
+def test_stock_bench_models_name_configs_that_exist_with_the_checkpoint_it_writes():
     """Each model and job bench_stock.py compares names torchtune's stock config and ours;
-    both exist and list as many checkpoint files as the random checkpoint it writes has
-    (SHARDS), else the recipes would look for files that are not there."""
+    both exist, list exactly the checkpoint files bench/random_checkpoint.py writes for the
+    model (CHECKPOINTS), and read the kind of tokenizer it writes, else the recipes would
+    look for files that are not there."""
     import torchtune
     from omegaconf import OmegaConf
 
     bench = _bench_module("bench_stock")
+    writer = _bench_module("random_checkpoint")
     stock_root = Path(torchtune.__file__).resolve().parent.parent / "recipes" / "configs"
+    reads = {"tiktoken": "llama3_tokenizer", "sentencepiece": ("gemma_tokenizer", "mistral_tokenizer"),
+             "qwen": "qwen2_5_tokenizer"}
 
-    def files(path):
-        listed = OmegaConf.load(path).checkpointer.checkpoint_files
-        return int(listed.max_filename) if "max_filename" in listed else len(listed)
+    def files(cfg):
+        listed = cfg.checkpointer.checkpoint_files
+        if "filename_format" in listed:
+            n = int(listed.max_filename)
+            return [listed.filename_format.format(f"{i:05d}", f"{n:05d}") for i in range(1, n + 1)]
+        return list(listed)
 
-    assert {"1b", "3b", "8b"} <= set(bench.MODELS)
+    assert {"1b", "3b", "8b", "gemma2_2b", "gemma2_9b", "mistral_7b", "qwen2_5_7b"} <= set(bench.MODELS)
     for model, (builder, jobs) in bench.MODELS.items():
         assert builder.startswith("torchtune.models.")
+        shards, tokenizer, bin_files = bench.CHECKPOINTS[model]
+        written = [name for name, _ in writer.shards({f"w{i}": torch.zeros(1) for i in range(shards)}, shards, bin_files)]
         for job, (stock, ours) in jobs.items():
             assert job in bench.RUNS
-            assert files(stock_root / f"{stock}.yaml") == bench.SHARDS[model], (model, job, stock)
-            assert files(REPO / ours) == bench.SHARDS[model], (model, job, ours)
+            for path in (stock_root / f"{stock}.yaml", REPO / ours):
+                cfg = OmegaConf.load(path)
+                assert files(cfg) == written, (model, job, path)
+                assert cfg.tokenizer._component_.endswith(reads[tokenizer]), (model, job, path)
+                assert set(bench.tokenizer_files(model, Path("/x"))) <= set(cfg.tokenizer), (model, path)
