@@ -77,7 +77,7 @@
 #                                   # pinned as shipped and by cudaHostAlloc in turns, three each (about 6 minutes)
 #   bash bench/run_h200.sh allocator  # AdamW8bit 4k runs with torch's caching allocator as shipped and with expandable
 #                                   # segments in turns, three each, with each step's allocator retries (about 5 minutes)
-#   bash bench/run_h200.sh stepprofile  # AdamW8bit 4k runs, each profiling 8 more steps one by one: what a slow step
+#   bash bench/run_h200.sh stepprofile  # AdamW8bit 4k runs, each profiling 5 more steps one by one: what a slow step
 #                                   # spends longer on, copies, kernels or neither (about 4 minutes)
 #   bash bench/run_h200.sh stockqlora1  # our Gemma-2-2B and Mistral-7B QLoRA configs against the drop-in (stockqlora2:
 #                                   # Qwen2.5-7B and Gemma-2-9B); random checkpoints, one run each (about 8 minutes each)
@@ -308,12 +308,12 @@ for stage in "$@"; do
         done
         inbwd4k alloc-reference reference --timing item --optimizers gpu_adamw_in_bwd ;;
     stepprofile)
-        # AdamW8bit at 4k, three runs, each then profiling 8 more steps one at a time (their wall
+        # AdamW8bit at 4k, three runs, each then profiling 5 more steps one at a time (their wall
         # time, copy time each way, kernel time: step_profiles in the JSON); GPU AdamW once
         for i in 1 2 3; do
-            inbwd4k profile-round$i profile --timing item --optimizers adamw8bit_in_bwd --profile-steps 8
+            inbwd4k profile-round$i profile --timing item --optimizers adamw8bit_in_bwd --profile-steps 5 --child-timeout 200
         done
-        inbwd4k profile-reference reference --timing item --optimizers gpu_adamw_in_bwd --profile-steps 4 ;;
+        inbwd4k profile-reference reference --timing item --optimizers gpu_adamw_in_bwd --profile-steps 3 --child-timeout 200 ;;
     stockqlora1|stockqlora2)
         # Our QLoRA configs for Gemma 2, Mistral and Qwen2.5 against the drop-in (each model's
         # random checkpoint is removed after its runs: the disk holds about three)
