@@ -810,6 +810,22 @@ def markdown_table(results, columns=COLUMNS, base_name=None):
     return "\n".join(rows)
 
 
+def step_profile_table(result):
+    """--profile-steps: one row per profiled step, its wall time beside the time its kernels
+    and its copies each way ran (a slow step shows which grew), and the copies' GB/s while
+    they ran, from the bytes a step moves."""
+    lines = [f"Profiled steps of {result['optimizer']} (synchronized, one at a time):", "",
+             "| step | wall s | kernels busy s | H2D busy s | D2H busy s | H2D GB/s while copying | D2H GB/s while copying |",
+             "|---|---|---|---|---|---|---|"]
+    for i, p in enumerate(result["step_profiles"]):
+        rate = {k: (result.get(f"bytes_{k}_per_step") or 0) / p[f"{k}_busy_s"] / 1e9
+                if p.get(f"{k}_busy_s") and result.get(f"bytes_{k}_per_step") else None for k in ("h2d", "d2h")}
+        lines.append(f"| {i + 1} | {_fmt(p.get('profiled_step_s'))} | {_fmt(p.get('kernel_busy_s'))} | "
+                     f"{_fmt(p.get('h2d_busy_s'))} | {_fmt(p.get('d2h_busy_s'))} | {_fmt(rate['h2d'], 1)} | "
+                     f"{_fmt(rate['d2h'], 1)} |")
+    return "\n".join(lines)
+
+
 def reference_line(ref, trainable):
     return (f"Host reference: torch fused AdamW on CPU, fp32, {ref['threads']} thread(s), "
             f"{ref['numel']:,} elements: {ref['gparams_s']:.2f} G params/s, i.e. "
@@ -938,6 +954,9 @@ def parent_main(args):
         print("\n" + reference_line(ref, trainable))
     if bandwidth:
         print("\n" + bus_line(bandwidth))
+    for r in results:
+        if r.get("step_profiles"):
+            print("\n" + step_profile_table(r))
     for r in results:
         if r.get("nonfinite_reports"):
             print(f"\nwarning: {r['optimizer']}: {r['nonfinite_reports']} steps reported skipped for an inf or "

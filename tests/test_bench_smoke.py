@@ -648,6 +648,19 @@ def test_bus_spans_and_use():
                    "kernel_window_s": 50e-6, "kernel_busy_s": 50e-6, "kernel_launches": 2}
 
 
+def test_step_profile_table_sets_each_steps_copy_time_against_the_bytes_it_moves():
+    """--profile-steps' table: per profiled step its wall, kernel and copy times, and the
+    copies' GB/s while they ran (bytes a step moves / the time they ran); '-' where a step
+    had no copies that way."""
+    bench = _bench_module("bench_train")
+    result = {"optimizer": "adamw8bit_in_bwd", "bytes_h2d_per_step": 16e9, "bytes_d2h_per_step": 16e9,
+              "step_profiles": [{"profiled_step_s": 0.62, "kernel_busy_s": 0.5, "h2d_busy_s": 0.32, "d2h_busy_s": 0.4},
+                                {"profiled_step_s": 0.75, "kernel_busy_s": 0.5, "h2d_busy_s": 0.4}]}
+    rows = bench.step_profile_table(result).splitlines()
+    assert rows[-2] == "| 1 | 0.620 | 0.500 | 0.320 | 0.400 | 50.0 | 40.0 |"
+    assert rows[-1] == "| 2 | 0.750 | 0.500 | 0.400 | - | 40.0 | - |"
+
+
 def test_what_fits_searches_largest_first_and_leaves_out_what_cannot_fit():
     """what_fits.search with a stand-in for the runs: per cap, largest first, the host and
     weight estimates leave models out before anything runs, a failure falls back to the
