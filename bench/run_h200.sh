@@ -72,9 +72,6 @@
 #                                   # CPU steal beside its step (about 3 minutes)
 #   bash bench/run_h200.sh busprobe # the host's NUMA layout, the bus per CPU node and on newly pinned buffers, and
 #                                   # four AdamW8bit 4k runs each after a bus check (about 4 minutes)
-#   bash bench/run_h200.sh busstate # the bus over 15 GiB pinned as the optimizer's state is, without huge pages and by
-#                                   # cudaHostAlloc, three placements each, then AdamW8bit 4k runs with the state
-#                                   # pinned as shipped and by cudaHostAlloc in turns, three each (about 6 minutes)
 #   bash bench/run_h200.sh allocator  # AdamW8bit 4k runs with torch's caching allocator as shipped and with expandable
 #                                   # segments in turns, three each, with each step's allocator retries (about 5 minutes)
 #   bash bench/run_h200.sh stepprofile  # AdamW8bit 4k runs, each profiling 5 more steps one by one: what a slow step
@@ -282,20 +279,6 @@ for stage in "$@"; do
             python3 bench/bus.py --gib 2 --series 2
             inbwd4k busprobe-run$i busprobe --timing item --optimizers adamw8bit_in_bwd
         done ;;
-    busstate)
-        # the bus over host memory pinned as the optimizer pins its state (8B's AdamW8bit: 15 GiB in about 580
-        # blocks), without the huge-page advice, and by cudaHostAlloc, three placements each; then AdamW8bit 4k
-        # runs with the state pinned as shipped and by cudaHostAlloc (OFFLOAD_PLUGIN_PINNING=alloc) in turns,
-        # each with its huge-page GiB beside its step, and GPU AdamW once
-        cat /sys/kernel/mm/transparent_hugepage/enabled; grep -i huge /proc/meminfo
-        python3 bench/bus.py --gib 2 --state-like 15,580,3 --pinning ours,register,alloc | tee "$OUT/bus_state.txt"
-        for i in 1 2 3; do
-            for pinning in $([ $((i % 2)) = 1 ] && echo "ours alloc" || echo "alloc ours"); do
-                OFFLOAD_PLUGIN_PINNING=$pinning inbwd4k pin$pinning-round$i pin$pinning --timing item \
-                    --optimizers adamw8bit_in_bwd
-            done
-        done
-        inbwd4k pin-reference reference --timing item --optimizers gpu_adamw_in_bwd ;;
     allocator)
         # AdamW8bit at 4k with the caching allocator as shipped and with expandable segments
         # (PYTORCH_CUDA_ALLOC_CONF), three runs each in turns, each step's allocator retries,

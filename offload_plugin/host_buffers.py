@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import sys
 import threading
 import weakref
@@ -65,18 +64,10 @@ def _huge_page_block(numel: int, dtype: torch.dtype) -> torch.Tensor:
     return block
 
 
-# Benchmarks set OFFLOAD_PLUGIN_PINNING=alloc in a recipe's environment to take the
-# page-locked blocks from torch's pinned allocator (cudaHostAlloc, which rounds each size up
-# to a power of two) instead, to compare copies from its memory with copies from ours.
-_PIN_BY_ALLOC = os.environ.get("OFFLOAD_PLUGIN_PINNING", "") == "alloc"
-
-
 def page_locked_block(numel: int, dtype: torch.dtype, pin: bool, what: str = "") -> torch.Tensor:
     """A flat host block of ``numel`` elements, advised to use huge pages and, with ``pin``,
     page-locked for copies to and from the GPU. If locking fails the block stays pageable
     (the copies then run slower) and a warning names ``what`` it holds."""
-    if pin and numel and _PIN_BY_ALLOC:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
     block = _huge_page_block(numel, dtype)
     if pin and numel and not _pin(block):
         log.warning("Could not pin %.2f GiB of host memory%s; using pageable memory (slower copies to and "

@@ -403,22 +403,6 @@ def test_pinning_failure_falls_back_to_pageable_memory(monkeypatch, caplog):
     assert b.data_ptr() == a.data_ptr() + 3 * 4  # consecutive in one block
 
 
-@pytest.mark.slow  # (starts processes: left out of the quick lane)
-def test_pinning_by_torchs_allocator_is_a_benchmark_setting():
-    """OFFLOAD_PLUGIN_PINNING=alloc (bench/run_h200.sh compares copy speeds with it) reaches
-    host_buffers through the environment, and changes only blocks that are to be pinned."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import torch; from offload_plugin import host_buffers as h; "
-            "b = h.page_locked_block(8, torch.float32, pin=False); print(h._PIN_BY_ALLOC, b.numel(), b.dtype)")
-    for value, flag in (("alloc", "True"), ("", "False")):
-        env = dict(os.environ, OFFLOAD_PLUGIN_PINNING=value)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert out.stdout.split() == [flag, "8", "torch.float32"], out.stderr[-2000:]
-
-
 def test_optimizers_share_the_arena_and_count_their_own_bytes(monkeypatch):
     """Small buffers of several optimizers come out of one shared chunk (one page-locking
     call, not one per tensor); each optimizer counts what it asked for; a large request
