@@ -507,8 +507,11 @@ def with_masters(engine, sd: dict) -> dict:
                 sd["state"].setdefault(index, {})[MASTER_KEY] = master
             continue
         # delayed_update saves every host weight: a model checkpoint written before this
-        # call holds the weights from before the update it just completed.
-        if slot.weight_stage is not None or engine.options.delayed_update:
+        # call holds the weights from before the update it just completed. Not for a class
+        # with its own entries (CompactAdamW, AdamW8bit): its host copy is the parameter's
+        # dtype, so a saved copy could only repeat the weight or be dropped on load for the
+        # model's (the parameter is the truth), and bitsandbytes' layout has no place for it.
+        if slot.weight_stage is not None or (engine.options.delayed_update and saved_entry is None):
             sd["state"].setdefault(index, {})[MASTER_KEY] = slot.master
         if saved_entry is not None and index in sd["state"]:  # (CompactAdamW: its remainder's weight)
             sd["state"][index] = saved_entry(slot.master, sd["state"][index], local_part(slot.param))

@@ -12,6 +12,7 @@ import copy
 import pytest
 import torch
 
+from offload_plugin import CPUOffloadOptimizer
 from reference_twin import DEVICES, assert_same_params, batch, make_model, offload, reference, trainable
 
 
@@ -214,3 +215,41 @@ def test_process_exits_cleanly_with_an_update_pending():
     for _ in range(3):
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cls", ["offload_plugin.CompactAdamW", "offload_plugin.AdamW8bit"])
+@pytest.mark.parametrize("order", ["finish-then-save", "model-saved-first"])
+def test_resume_with_an_eight_bit_state(cls, order, tmp_path):
+    """The classes that keep their own state layout resume a delayed run as AdamW does: the
+    checkpoint loads into the configuration that wrote it and continues exactly."""
+    def bf16_model():
+        torch.manual_seed(0)  # one layer big enough for 8-bit moments (4096 elements and up)
+        return torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.Tanh(),
+                                   torch.nn.Linear(128, 64), torch.nn.Tanh(),
+                                   torch.nn.Linear(64, 4)).to(torch.bfloat16)
+
+    def run(model, opt, steps, start=0):
+        for step in range(start, start + steps):
+            x, y = batch(step, 0, "cpu", torch.bfloat16)
+            ((model(x) - y) ** 2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    kw = dict(optimizer_cls=cls, delayed_update=True, **KW)
+    model = bf16_model()
+    opt = CPUOffloadOptimizer(model.parameters(), **kw)
+    run(model, opt, 3)
+    if order == "finish-then-save":
+        opt.finish_step()
+    model_sd = copy.deepcopy(model.state_dict())
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    if order == "model-saved-first":
+        model.load_state_dict(model_sd)
+    run(model, opt, 3, start=3)
+
+    resumed = bf16_model()
+    resumed.load_state_dict(model_sd)
+    opt2 = CPUOffloadOptimizer(resumed.parameters(), **kw)
+    opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    run(resumed, opt2, 3, start=3)
+    assert_same_params(model, resumed, exact=True)
