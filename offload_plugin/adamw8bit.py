@@ -266,15 +266,18 @@ class AdamW8bit(Optimizer, InnerOptimizer):
             if _BNB_ARGS[key] is not None and value != _BNB_ARGS[key]:
                 raise ValueError(f"AdamW8bit makes bitsandbytes' AdamW8bit update, which has {key}="
                                  f"{_BNB_ARGS[key]!r}; got {key}={value!r:.40}. Leave it out.")
-        for name, value in (("learning rate", lr), ("epsilon value", eps), ("weight_decay value", weight_decay)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0.0):
-                raise ValueError(f"Invalid {name}: {value!r:.40} (a finite number >= 0)")
-        if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"Invalid beta parameters: {betas!r:.60}")
-        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-            raise ValueError(f"min_8bit_size must be a whole number >= 0; got {min_8bit_size!r:.40}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      min_8bit_size=min_8bit_size, stochastic_rounding=bool(stochastic_rounding)))
+        for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                raise ValueError(f"Invalid {key}: {value!r:.40} (a finite number >= 0)")
+        if not isinstance(betas, (str, bytes)) and hasattr(betas, "__iter__"):
+            betas = tuple(betas)  # (a config's list)
+        defaults = dict(lr=lr, betas=betas, eps=eps,
+                        weight_decay=weight_decay, min_8bit_size=min_8bit_size,
+                        stochastic_rounding=stochastic_rounding)
+        problem = host_update.settings_problem(defaults, flags=("stochastic_rounding",))
+        if problem is not None:
+            raise ValueError(f"Invalid {problem[0]}: {defaults[problem[0]]!r:.60} ({problem[1]})")
+        super().__init__(params, defaults)
         self._blocks = BlockLayout(BLOCK)  # (which parameters are FSDP2 shards, and their full shapes)
 
     def __getstate__(self) -> dict:
@@ -330,6 +333,20 @@ class AdamW8bit(Optimizer, InnerOptimizer):
                     update_32bit_(w, g, entry["state1"].view(-1), entry["state2"].view(-1), coeffs)
         return loss
 
+    def check_group(self, index: int, group: dict) -> None:
+        """Refuse settings edited into param_groups[index] that the constructor refuses."""
+        host_update.check_settings(index, group, flags=("stochastic_rounding",))
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, with the group's settings checked as the constructor checks them."""
+        if isinstance(param_group, dict):
+            group = {**self.defaults, **param_group}
+            problem = host_update.settings_problem(group, flags=("stochastic_rounding",))
+            if problem is not None:
+                raise ValueError(f"the new parameter group has {problem[0]}={group[problem[0]]!r:.60}; it "
+                                 f"needs {problem[1]}. Nothing was added.")
+        super().add_param_group(param_group)
+
     # -- checkpoints
     def state_dict(self) -> dict:
         """bitsandbytes' layout: each entry ``{"step": int, "__bnb_optimizer_quant_state__":
@@ -348,7 +365,8 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         if self._blocks.is_shard(p):
             return dict(tensors, step=entry["step"].clone())
         if tensors.get("state1") is not None and tensors["state1"].dtype == torch.uint8:
-            tensors.update(qmap1=dynamic_map(True), qmap2=dynamic_map(False))
+            # (copies: a loader that writes into the dict in place must not change the maps)
+            tensors.update(qmap1=dynamic_map(True).clone(), qmap2=dynamic_map(False).clone())
         return {"step": int(entry["step"]), bnb_state.WRAPPED: tensors}
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -149,6 +149,10 @@ def read_state(where: str, entry: Mapping, shape: torch.Size) -> BnbState:
     return BnbState(step, out, quantized=True, block=blocks.pop())
 
 
+# The largest step count an fp32 count holds exactly.
+MAX_STEPS = 2**24
+
+
 def read_step(where: str, value) -> int:
     """bitsandbytes counts steps in a Python int; a one-element tensor is taken too."""
     if isinstance(value, torch.Tensor) and value.numel() == 1 and value.layout == torch.strided \
@@ -157,6 +161,11 @@ def read_step(where: str, value) -> int:
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value) \
             or value < 0 or value != int(value):
         raise ValueError(f"{where} ('step') is {value!r:.40}; it needs a whole number of steps >= 0. {_FIX}")
+    if value > MAX_STEPS:
+        # (the count lives in fp32, as torch keeps optimizer step counts: above 2**24 it
+        # would load rounded and stop advancing)
+        raise ValueError(f"{where} ('step') is {value!r:.40}; counts above {MAX_STEPS:,} steps cannot be "
+                         f"kept exactly. {_FIX}")
     return int(value)
 
 

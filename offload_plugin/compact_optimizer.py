@@ -109,6 +109,10 @@ class CompactAdamW(Optimizer, InnerOptimizer):
                                       min_8bit_size=min_8bit_size))
         self._setup_tracking()
 
+    def check_group(self, index: int, group: dict) -> None:
+        """Refuse settings edited into param_groups[index] that the constructor refuses."""
+        host_update.check_settings(index, group, flags=("master",))
+
     def _setup_tracking(self) -> None:
         """The per-parameter records beside ``state`` (keyed by the tensors, as ``state`` is,
         so that a deep copy keys its own tensors).
@@ -117,8 +121,9 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         restarts its master from the written weight (remainder zero): the weight is the
         master's upper half, so whether a write kept its values cannot be told without a
         copy, which this state does not keep. CPUOffloadOptimizer reports writes
-        (weight_replaced); used directly, a weight's version counter tells: the kernel's own
-        writes go through a raw pointer and leave it alone. Only for tensors that own their
+        (weight_replaced); used directly, a weight's version counter and storage tell (an
+        in-place write, a ``.data`` replacement): the kernel's own writes go through a raw
+        pointer and leave both alone. Only for tensors that own their
         storage: views (CPUOffloadOptimizer's host copies share blocks) count every write to
         the block. The one exception is a resume: loaded remainders carry the digest of their
         weights (weight_digest), and one is kept when its weight, at its next update, has that

@@ -15,8 +15,10 @@ Any other ``optimizer_cls`` (or Adam without ``fused``) goes through its own ``s
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import weakref
+from collections.abc import Mapping
 from typing import Optional
 
 import torch
@@ -27,7 +29,8 @@ from offload_plugin.adamw_moments import adam_state
 from offload_plugin.host_buffers import HostSlot, back_to_back
 from offload_plugin.inner import contract
 
-__all__ = ["uses_fused_adam", "check_hyperparameters", "update_slots", "forget_batches"]
+__all__ = ["uses_fused_adam", "check_hyperparameters", "settings_problem", "check_settings", "update_slots",
+           "forget_batches"]
 
 # 2 Mi elements: the fp32 gradient temporary (8 MiB) and the chunk of master weight read
 # back for the bf16 copy stay in the last-level cache between the three operations.
@@ -56,12 +59,20 @@ def checked_step(optimizer, closure, check_tensor, check_entry):
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
+    own_check = contract(type(optimizer)).hook(optimizer, "check_group")
     for index, group in enumerate(optimizer.param_groups):
         check_hyperparameters(index, group)
+        if own_check is not None:
+            own_check(index, group)
         for p in group["params"]:
             if p.grad is not None:
                 check_tensor(p, "parameter")
                 check_tensor(p.grad, "gradient")
+                if p.grad.shape != p.shape:
+                    raise ValueError(
+                        f"a gradient of shape {tuple(p.grad.shape)} for a parameter of shape "
+                        f"{tuple(p.shape)}: set .grad to a tensor shaped like its parameter. "
+                        "Nothing was updated.")
                 if optimizer.state.get(p):
                     check_entry(p, optimizer.state[p], group)
     return loss
@@ -96,6 +107,44 @@ def check_hyperparameters(index: int, group: dict) -> None:
             f"param_groups[{index}][{key!r}] is {group.get(key)!r:.60}; the update needs {needs}. "
             "Set it to a valid value before the next step(); nothing was updated."
         )
+
+
+def settings_problem(group: Mapping, flags: tuple = ()) -> Optional[tuple[str, str]]:
+    """What is wrong with an Adam group's settings for the 8-bit updates (CompactAdamW's,
+    AdamW8bit's), as (key, what it needs), or None: lr, eps and weight_decay finite numbers
+    >= 0 (or one-element tensors), betas two numbers in [0, 1) (beta1 = 1 divides by zero),
+    min_8bit_size a whole number >= 0, and each key of ``flags`` True or False (a string
+    "False" is not)."""
+    def number(value) -> Optional[float]:
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
+            value = value.item()
+        return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+
+    for key in ("lr", "eps", "weight_decay"):
+        value = number(group.get(key))
+        if value is None or not math.isfinite(value) or value < 0.0:
+            return key, "a finite number >= 0"
+    betas = group.get("betas")
+    if not (isinstance(betas, (list, tuple)) and len(betas) == 2
+            and all(b is not None and 0.0 <= b < 1.0 for b in map(number, betas))):
+        return "betas", "two numbers in [0, 1)"
+    size = group.get("min_8bit_size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        return "min_8bit_size", "a whole number >= 0"
+    for key in flags:
+        if not isinstance(group.get(key, False), bool):
+            return key, "True or False"
+    return None
+
+
+def check_settings(index: int, group: Mapping, flags: tuple = ()) -> None:
+    """Refuse, before a step changes anything, settings edited into param_groups[index]
+    that the constructor would have refused (:func:`settings_problem`)."""
+    problem = settings_problem(group, flags)
+    if problem is not None:
+        key, needs = problem
+        raise ValueError(f"param_groups[{index}][{key!r}] is {group.get(key)!r:.60}; the update needs "
+                         f"{needs}. Set a valid value before the next step(); nothing was updated.")
 
 
 def _fused_adam_update(

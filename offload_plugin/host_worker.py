@@ -158,7 +158,11 @@ class HostWorker:
             error, self._error = self._error, None
             raise HostUpdateError(
                 f"the host update failed with {type(error).__name__}: {error}. The weights "
-                "and optimizer state of the parameters it did not reach are unchanged."
+                "and optimizer state of the parameters it did not reach are unchanged. (torch's "
+                "fused AdamW, CompactAdamW and AdamW8bit check every entry first and change "
+                "nothing; another optimizer_cls whose own step() raised part way has advanced "
+                "the state of the parameters it reached, as torch's step leaves them: load the "
+                "last checkpoint before training on.)"
             ) from error
 
 

@@ -71,13 +71,20 @@ class InnerOptimizer:
         ``weight`` for ``p``: decide first what ``step()`` would decide first (a loaded remainder)."""
         raise NotImplementedError
 
+    def check_group(self, index: int, group: dict) -> None:
+        """Refuse (ValueError) settings edited into ``param_groups[index]`` that its update
+        cannot take; called for every group before a step changes anything. Without it the
+        offload optimizer checks only what torch's fused AdamW needs."""
+        raise NotImplementedError
+
     def init_state(self, p: torch.Tensor, group: dict, empty: Callable = torch.empty) -> dict:
         """``p``'s state entry, made (zeros, from ``empty(shape, dtype=...)``) if it has none:
         the streamed update makes state in page-locked memory this way."""
         raise NotImplementedError
 
 
-HOOKS = ("check_state_entry", "saved_entry", "shard_of", "weight_replaced", "before_update", "init_state")
+HOOKS = ("check_state_entry", "saved_entry", "shard_of", "weight_replaced", "before_update", "check_group",
+         "init_state")
 _TRAITS = {"bf16_host_only": bool, "scales_gradients_in_step": bool}
 
 

@@ -163,7 +163,7 @@ class CPUOffloadOptimizer(Optimizer):
         """Add a group as torch's optimizers do, dropping its frozen parameters first."""
         if getattr(self._engine, "returned_early", None) is not None:
             early_forward.finish(self._engine)
-        group = self._kept.filter(param_group)
+        group, frozen_at = self._kept.filter(param_group)
         super().add_param_group(group)
         try:
             self._attach(self.param_groups[-1])
@@ -171,6 +171,7 @@ class CPUOffloadOptimizer(Optimizer):
             # Leave the optimizer as it was: no group without host copies behind it.
             self.param_groups.pop()
             raise
+        self._kept.frozen_at.append(frozen_at)
         self._engine.note_groups()
 
     def _attach(self, group: dict[str, Any]) -> None:
@@ -380,6 +381,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._engine.check_groups()
         # Checked and converted into new tensors; nothing of this optimizer changed yet.
         hooks = [partial(hook, self) for hook in self._optimizer_load_state_dict_pre_hooks.values()]
+        hooks.append(partial(self._kept.drop_frozen, self.param_groups))  # (torch's, over model.parameters())
         plan = checkpoint.prepare_load(engine, state_dict, torchao_minimal_size, allow_nonfinite, hooks)
         checkpoint.apply_state(engine, plan)
         host_memory.allocated(self)  # (the loaded state is allocated)

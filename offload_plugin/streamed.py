@@ -338,7 +338,7 @@ class StreamedEngine(Engine):
 
     def reload_weights(self) -> None:
         """CPUOffloadOptimizer.reload_weights(): weights may have been written where the
-        version counters do not see it (``param.data``): the format drops what its state
+        version counters do not see it (through another view, or a raw pointer): the format drops what its state
         derived from every weight (CompactAdamW's remainders: each master restarts from its
         weight)."""
         if self.format.watches_weights:
@@ -425,8 +425,11 @@ class StreamedEngine(Engine):
         # Groups are the user's to edit between steps: a value the kernel refuses would
         # raise from it after the step counts advanced (torch's fused AdamW too), or inside
         # a backward's flush with other optimizers' steps. Refused here, nothing changed.
+        own_check = inner.contract(type(self.inner)).hook(self.inner, "check_group")
         for index, group in enumerate(groups):
             check_hyperparameters(index, group)
+            if own_check is not None:
+                own_check(index, group)
         amp_scale = self.amp_scale
         check_amp_scaler(self.options, amp_scale, engine=STREAMED,
                          format_takes_scale=self.format.takes_grad_scale)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from typing import Any, Callable
+from collections.abc import Hashable, Mapping
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -31,12 +32,17 @@ class Kept:
         self.counts = {"kept": 0, "kept_numel": 0, "frozen": 0, "frozen_numel": 0,
                        "on_device": 0, "on_device_numel": 0}
         self._frozen: list[weakref.ref] = []
+        self.frozen_at: list[list[int]] = []  # per group: where its frozen tensors were given
 
-    def filter(self, param_group: dict[str, Any]) -> dict[str, Any]:
+    def filter(self, param_group: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         """``param_group`` without its frozen tensors (checked as torch's add_param_group
-        would check it, where dropping them would change the answer)."""
+        would check it, where dropping them would change the answer), and the places in it
+        of the tensors dropped (for :meth:`drop_frozen`, once the group is added)."""
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {type(param_group)}")
+        if "params" not in param_group:
+            raise ValueError(f"a parameter group needs a 'params' list of tensors; got the keys "
+                             f"{sorted(map(str, param_group))[:8]}.")
         group = dict(param_group)
         entries = group["params"]
         if isinstance(entries, set):
@@ -62,7 +68,40 @@ class Kept:
         if named and len(named) != len(entries):
             raise ValueError("all optimizer params should be with/without names")
         group["params"] = kept_entries
-        return group
+        return group, [i for i, (t, k) in enumerate(zip(tensors, keep)) if isinstance(t, torch.Tensor) and not k]
+
+    def drop_frozen(self, param_groups: list[dict], state_dict: dict) -> Optional[dict]:
+        """A state dict of torch's optimizer built over the same tensors, frozen ones
+        included (as torchtune's LoRA recipes build it, over ``model.parameters()``), in
+        this optimizer's layout: each group's indices at the places of its frozen tensors
+        dropped. They must have no state. None where no group lists its frozen tensors
+        (load_state_dict's checks then see the state dict as it is)."""
+        saved_groups, state = state_dict.get("param_groups"), state_dict.get("state")
+        if not (isinstance(saved_groups, (list, tuple)) and isinstance(state, Mapping)
+                and len(saved_groups) == len(param_groups) == len(self.frozen_at)):
+            return None
+        groups, dropped_any = [], False
+        for i, (saved, group, frozen) in enumerate(zip(saved_groups, param_groups, self.frozen_at)):
+            indices = saved.get("params") if isinstance(saved, Mapping) else None
+            if not frozen or not isinstance(indices, (list, tuple)) \
+                    or len(indices) != len(group["params"]) + len(frozen):
+                groups.append(saved)
+                continue
+            drop = set(frozen)
+            with_state = [index for j, index in enumerate(indices)
+                          if j in drop and isinstance(index, Hashable) and index in state]
+            if with_state:
+                raise ValueError(
+                    f"parameter group {i}: the state dict has state for {with_state[:8]}, the places of "
+                    "tensors frozen here (requires_grad=False), which this optimizer leaves out. Build "
+                    "it with those tensors trainable, as they were when the state dict was saved.")
+            saved = dict(saved, params=[index for j, index in enumerate(indices) if j not in drop])
+            names = saved.get("param_names")
+            if isinstance(names, (list, tuple)) and len(names) == len(indices):
+                saved["param_names"] = [name for j, name in enumerate(names) if j not in drop]
+            groups.append(saved)
+            dropped_any = True
+        return dict(state_dict, param_groups=groups) if dropped_any else None
 
     def add(self, offloaded: list[torch.Tensor], on_device: list[torch.Tensor]) -> None:
         """Count a group's kept tensors: ``offloaded`` (this rank's shards count) and

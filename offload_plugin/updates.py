@@ -25,6 +25,7 @@ from offload_plugin.gradients import GradientPath
 from offload_plugin.host_buffers import HostSlot
 from offload_plugin import host_update
 from offload_plugin.host_worker import HostWorker
+from offload_plugin.inner import contract
 from offload_plugin.transfer import Transfers
 
 __all__ = ["StepPlan", "Updates"]
@@ -92,9 +93,12 @@ class Updates:
         # step (its worker jobs would fail after updating others). Other classes check
         # their own in their step().
         host = self._inner()
+        own_check = contract(type(host)).hook(host, "check_group")
         for index, values in enumerate(hyper):
             if host_update.uses_fused_adam(host, values):
                 host_update.check_hyperparameters(index, values)
+            elif own_check is not None:
+                own_check(index, values)
         if in_flight:
             # Its weight copies need no wait here: each parameter's next gradient comes
             # from a forward that waited for its copy.

@@ -36,11 +36,11 @@ from offload_plugin.host_buffers import HostSlot, weight_mark
 __all__ = ["weight_mark", "version", "WeightTracker", "adopt_weight", "bits_equal"]
 
 
-def version(param: torch.Tensor) -> int:
-    """A mark that in-place writes move: the tensor's version counter. For a weight the
-    optimizer updates in place through a raw pointer (CompactAdamW on its host tensors,
-    the streamed update on the parameter), whose new storage, if any, shows elsewhere."""
-    return param._version
+def version(param: torch.Tensor) -> tuple[int, int]:
+    """A mark that in-place writes move: the tensor's version counter, and its storage,
+    which a ``param.data = ...`` replacement moves. For a weight the optimizer updates in
+    place through a raw pointer (CompactAdamW on its host tensors), which moves neither."""
+    return param._version, param.data_ptr()
 
 
 class WeightTracker:

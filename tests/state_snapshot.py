@@ -10,8 +10,8 @@ import torch
 def snapshot(opt) -> tuple:
     """Parameters, groups (settings and membership), the state dict, the live state (the
     host optimizer's, for CPUOffloadOptimizer) and the host masters."""
-    host = getattr(opt, "_host_optimizer", None)
-    inner = host if host is not None else opt
+    engine = getattr(opt, "engine", None)  # (CPUOffloadOptimizer's: the inner optimizer and host slots)
+    inner = engine.inner if engine is not None and engine.inner is not None else opt
     params = [p for g in opt.param_groups for p in g["params"]]
     return (
         [p.detach().clone() for p in params],
@@ -20,7 +20,7 @@ def snapshot(opt) -> tuple:
         copy.deepcopy(opt.state_dict()),
         [copy.deepcopy(dict(inner.state[p])) if p in inner.state else None
          for g in inner.param_groups for p in g["params"]],
-        [s.master.clone() for s in opt.engine.slots] if host is not None else [],
+        [s.master.clone() for s in engine.slots] if engine is not None else [],
     )
 
 

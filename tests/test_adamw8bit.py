@@ -382,7 +382,7 @@ def test_a_malformed_checkpoint_is_refused_with_nothing_changed(case, through):
 @pytest.mark.parametrize("kw, message", [
     (dict(amsgrad=True), "amsgrad=False"), (dict(optim_bits=32), "optim_bits=8"),
     (dict(percentile_clipping=5), "percentile_clipping=100"), (dict(block_wise=False), "block_wise=True"),
-    (dict(lr=float("inf")), "learning rate"), (dict(eps=-1.0), "epsilon"), (dict(betas=(0.9, 1.0)), "beta"),
+    (dict(lr=float("inf")), "lr"), (dict(eps=-1.0), "eps"), (dict(betas=(0.9, 1.0)), "beta"),
     (dict(min_8bit_size=-1), "min_8bit_size"), (dict(no_such=1), "unexpected keyword"),
 ])
 def test_settings_of_another_update_are_refused(kw, message):
@@ -394,21 +394,87 @@ def test_bitsandbytes_config_arguments_that_change_nothing_are_taken():
     AdamW8bit(_params(), lr=LR, is_paged=True, optim_bits=8, percentile_clipping=100, block_wise=True, fused=True)
 
 
-def test_a_refused_step_changes_nothing():
+@pytest.mark.parametrize("edit, message", [
+    (lambda p: setattr(p, "data", p.data.float()), "bf16"),  # (fp32, its gradient too)
+    (lambda p: setattr(p, "data", torch.zeros(4, 7, dtype=torch.bfloat16)), "shaped like its parameter"),
+], ids=["dtype", "shape"])
+def test_a_refused_step_changes_nothing(edit, message):
+    """The last parameter's (the others would be updated first) made unusable after its
+    gradient was set: torch refuses such a .grad itself, a .data replacement gets past it."""
     params = _params()
     opt = AdamW8bit(params, lr=LR)
     _step(opt, params, 0)
     before = [p.clone() for p in params], copy.deepcopy(opt.state_dict())
     for p, g in zip(params, _grads(1)):
         p.grad = g
-    params[-1].grad = None
-    params[-1].data = params[-1].data.float()  # (the last one: the others would be updated first)
-    params[-1].grad = _grads(1)[-1].float()
-    with pytest.raises(ValueError, match="bf16"):
+    edit(params[-1])
+    if params[-1].dtype == torch.float32:
+        params[-1].grad = None
+        params[-1].grad = _grads(1)[-1].float()
+    with pytest.raises(ValueError, match=message):
         opt.step()
     _assert_same_weights(before[0][:-1], params[:-1])
-    assert torch.equal(before[0][-1].float(), params[-1])
     _assert_same_state_dicts(before[1], opt.state_dict())
+
+
+@pytest.mark.parametrize("through", ["direct", "host", "streamed"])
+@pytest.mark.parametrize("edit, message", [
+    (dict(betas=(1.0, 0.999)), "betas"),  # (beta1 = 1: the bias correction divides by zero)
+    (dict(lr=float("nan")), "lr"),
+    (dict(stochastic_rounding="False"), "stochastic_rounding"),  # (a string is not False)
+])
+def test_a_group_edited_to_settings_the_constructor_refuses_is_refused_before_any_update(
+        monkeypatch, through, edit, message):
+    """Edited into the last group, so that the other groups would be updated first."""
+    monkeypatch.setattr(streamed, "ENABLED", through == "streamed")
+    monkeypatch.setattr(streamed, "_ON_CPU", through == "streamed")
+    params = [nn.Parameter(p) for p in _params()]
+    groups = [{"params": params[:3]}, {"params": params[3:], "lr": LR / 2}]
+    opt = (AdamW8bit(groups, lr=LR) if through == "direct"
+           else CPUOffloadOptimizer(groups, optimizer_cls="offload_plugin.AdamW8bit", lr=LR))
+    _step(opt, params, 0)
+    before = [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+    opt.param_groups[-1].update(edit)
+    with pytest.raises(ValueError, match=message):
+        _step(opt, params, 1)
+    _assert_same_weights(before[0], params)
+    opt.param_groups[-1].update({k: before[1]["param_groups"][-1][k] for k in edit})
+    _assert_same_state_dicts(before[1], opt.state_dict())
+
+
+def test_a_group_added_with_settings_the_constructor_refuses_is_refused():
+    params = _params()
+    opt = AdamW8bit(params[:2], lr=LR)
+    with pytest.raises(ValueError, match="betas"):
+        opt.add_param_group({"params": params[2:], "betas": (1.0, 0.999)})
+    assert len(opt.param_groups) == 1
+
+
+def test_a_state_dict_is_the_callers_to_change():
+    """The maps in a state dict are its own: a loader that writes into it in place (as
+    torch.distributed.checkpoint does) changes neither other checkpoints nor the update."""
+    params = _params()
+    opt = AdamW8bit(params, lr=LR)
+    _step(opt, params, 0)
+    sd = opt.state_dict()
+    saved = copy.deepcopy(sd)
+    sd["state"][0][WRAPPED]["qmap1"].add_(1.0)
+    _assert_same_state_dicts(saved, opt.state_dict())
+
+
+@pytest.mark.parametrize("through", ["direct", "offload"])
+def test_a_step_count_an_fp32_count_cannot_hold_is_refused(through):
+    """bitsandbytes counts in a Python int; ours in fp32, as torch does: 2**24 + 1 would
+    load as 2**24 and stop advancing."""
+    params = _params()
+    opt = AdamW8bit(params, lr=LR)
+    _step(opt, params, 0)
+    sd = opt.state_dict()
+    sd["state"][0]["step"] = 2**24 + 1
+    target = AdamW8bit(_params(), lr=LR) if through == "direct" else _offloaded([nn.Parameter(p) for p in _params()])
+    with pytest.raises(ValueError, match="cannot be kept exactly"):
+        target.load_state_dict(sd)
+    assert not target.state_dict()["state"]
 
 
 def test_a_hand_edited_entry_is_refused_before_any_update():

@@ -64,6 +64,25 @@ def test_a_refused_step_changes_nothing():
         assert torch.equal(a.detach(), before) and len(opt.state) == 0
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_a_group_edited_to_settings_the_constructor_refuses_is_refused_before_any_update(path, monkeypatch):
+    """beta1 = 1 (the bias correction would divide by zero part way through the step)."""
+    model = make_model()
+    opt = build(model, path, monkeypatch)
+    run(model, opt, 1)
+    before, saved = weights(model), copy.deepcopy(opt.state_dict())
+    opt.param_groups[0]["betas"] = (1.0, 0.999)
+    with pytest.raises(ValueError, match="betas"):
+        run(model, opt, 1, start=1)
+    assert_bitwise(before, weights(model))
+    opt.param_groups[0]["betas"] = saved["param_groups"][0]["betas"]
+    after = opt.state_dict()["state"]
+    for index, entry in saved["state"].items():
+        assert entry.keys() == after[index].keys()
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(after[index][key])), (index, key)
+
+
 def test_a_non_contiguous_parameter_is_refused_saying_so():
     w = torch.randn(64, 64, dtype=torch.bfloat16).t().requires_grad_()
     opt = CompactAdamW([w])
@@ -140,9 +159,11 @@ def test_loaded_state_over_other_weights_restarts_their_masters(path, monkeypatc
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_a_same_value_write_follows_one_rule_on_every_path(path, monkeypatch):
-    """``p.copy_(p.clone())`` between steps counts as a write on every path: the master
-    restarts from the weight (the same bits as zeroing the remainder by hand)."""
+@pytest.mark.parametrize("how", ["copy_", "data"])
+def test_a_same_value_write_follows_one_rule_on_every_path(path, how, monkeypatch):
+    """``p.copy_(p.clone())`` or ``p.data = p.clone()`` between steps counts as a write on
+    every path: the master restarts from the weight (the same bits as zeroing the remainder
+    by hand)."""
     def trained(write):
         model = make_model()
         opt = build(model, path, monkeypatch)
@@ -154,7 +175,10 @@ def test_a_same_value_write_follows_one_rule_on_every_path(path, monkeypatch):
     def rewrite(model, opt):
         with torch.no_grad():
             for p in model.parameters():
-                p.copy_(p.clone())
+                if how == "copy_":
+                    p.copy_(p.clone())
+                else:
+                    p.data = p.detach().clone()
 
     def zero_remainders(model, opt):
         for p in model.parameters():

@@ -284,11 +284,12 @@ def _two_devices():
          "unknown option 'offload_gradient'.*Did you mean 'offload_gradients'"),
         (lambda m: ([*m.parameters()], {"master_weight": False}), TypeError,
          "Did you mean 'master_weights'"),
+        (lambda m: ([{"lr": 1e-3}], {}), ValueError, "needs a 'params' list"),
     ],
     ids=["lr", "betas", "unknown-kwarg", "twice-in-group", "twice-across-groups",
          "two-devices", "bad-class-name", "bad-module", "not-an-optimizer", "lbfgs",
          "bare-tensor", "set", "set-of-params", "lbfgs-subclass", "complex", "meta",
-         "misspelt-own-option", "misspelt-master-weights"],
+         "misspelt-own-option", "misspelt-master-weights", "group-without-params"],
 )
 def test_bad_input_raises_clear_error(make_args, error, match):
     """Each kind of bad input raises an exception whose message names the problem."""

@@ -51,6 +51,31 @@ def test_interchangeable_with_plain_adamw(device):
     assert_same_params(ref_model, model, exact=device == "cpu")
 
 
+def test_a_torch_adamw_over_frozen_parameters_too_loads():
+    """torchtune's LoRA recipes build the optimizer over model.parameters(): torch's AdamW then
+    lists the frozen tensors (without state). Its state dict loads, dropping them, and
+    continues exactly; one with state where a tensor is frozen here is refused unchanged."""
+    ref_model, model = twins()
+    ref = reference(torch.optim.AdamW, list(ref_model.parameters()), lr=1e-2)
+    train(ref_model, ref, 3)
+    model.load_state_dict(ref_model.state_dict())
+    saved = copy.deepcopy(ref.state_dict())
+    assert len(saved["param_groups"][0]["params"]) == len(list(model.parameters())) > len(trainable(model))
+
+    opt = offload(model, lr=1e-2)
+    opt.load_state_dict(saved)
+    train(ref_model, ref, 2, start=3)
+    train(model, opt, 2, start=3)
+    assert_same_params(ref_model, model, exact=True)
+
+    frozen_index = saved["param_groups"][0]["params"][0]  # (make_model's first layer is frozen)
+    saved["state"][frozen_index] = copy.deepcopy(saved["state"][2])
+    fresh = offload(make_model(), lr=1e-2)
+    with pytest.raises(ValueError, match="frozen here"):
+        fresh.load_state_dict(saved)
+    assert not fresh.state_dict()["state"]
+
+
 def _mismatches():
     def more_groups(sd):
         sd["param_groups"].append(dict(sd["param_groups"][0], params=[]))
