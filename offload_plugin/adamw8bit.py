@@ -281,18 +281,20 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         self._blocks = BlockLayout(BLOCK)  # (which parameters are FSDP2 shards, and their full shapes)
 
     def __getstate__(self) -> dict:
-        return dict(super().__getstate__(), _full_shapes=self._blocks.full_shapes)
+        return dict(super().__getstate__(), _full_shapes=self._blocks.full_shapes,
+                    _first_rows=self._blocks.first_rows)
 
     def __setstate__(self, state: dict) -> None:
-        full_shapes = state.pop("_full_shapes", {})
+        full_shapes, first_rows = state.pop("_full_shapes", {}), state.pop("_first_rows", {})
         super().__setstate__(state)
-        self._blocks = BlockLayout(BLOCK, full_shapes)
+        self._blocks = BlockLayout(BLOCK, full_shapes, first_rows)
 
     # -- layout
-    def shard_of(self, p: torch.Tensor, full_shape) -> None:
-        """``p`` is this rank's rows (FSDP2) of a parameter of ``full_shape``: its state takes
-        the layout every rank agrees on (offload_plugin.block_layout)."""
-        self._blocks.shard_of(p, full_shape)
+    def shard_of(self, p: torch.Tensor, full_shape, first_row: int = 0) -> None:
+        """``p`` is this rank's rows (FSDP2) of a parameter of ``full_shape``, from row
+        ``first_row`` on: its state takes the layout every rank agrees on
+        (offload_plugin.block_layout), and stochastic rounding its elements' places."""
+        self._blocks.shard_of(p, full_shape, first_row)
 
     def init_state(self, p: torch.Tensor, group: dict, empty: Callable = torch.empty) -> dict:
         """``p``'s state entry, made (zeros) if it has none, in tensors from
@@ -326,11 +328,12 @@ class AdamW8bit(Optimizer, InnerOptimizer):
                 entry["step"] += 1
                 coeffs = coefficients(group, int(entry["step"]), grad_scale)
                 w, g = p.view(-1), p.grad.view(-1)
+                place = self._blocks.place(p)  # (a shard's elements' places in the parameter)
                 if entry["state1"].dtype == torch.uint8:
                     update_8bit_(w, g, entry["state1"].view(-1), entry["absmax1"].view(-1),
-                                 entry["state2"].view(-1), entry["absmax2"].view(-1), coeffs)
+                                 entry["state2"].view(-1), entry["absmax2"].view(-1), coeffs, *place)
                 else:
-                    update_32bit_(w, g, entry["state1"].view(-1), entry["state2"].view(-1), coeffs)
+                    update_32bit_(w, g, entry["state1"].view(-1), entry["state2"].view(-1), coeffs, *place)
         return loss
 
     def check_group(self, index: int, group: dict) -> None:

@@ -22,13 +22,23 @@ class BlockLayout:
     """The rule above for one optimizer, with blocks of ``block`` elements; it keeps the full
     shapes of the parameters it was told are shards (``shard_of``)."""
 
-    def __init__(self, block: int, full_shapes: dict | None = None) -> None:
+    def __init__(self, block: int, full_shapes: dict | None = None, first_rows: dict | None = None) -> None:
         self.block = block
         self.full_shapes: dict[torch.Tensor, torch.Size] = dict(full_shapes or {})
+        self.first_rows: dict[torch.Tensor, int] = dict(first_rows or {})
 
-    def shard_of(self, p: torch.Tensor, full_shape) -> None:
-        """``p`` is this rank's rows (a dim-0 shard, as FSDP2 makes) of a parameter of ``full_shape``."""
+    def shard_of(self, p: torch.Tensor, full_shape, first_row: int = 0) -> None:
+        """``p`` is this rank's rows (a dim-0 shard, as FSDP2 makes) of a parameter of
+        ``full_shape``, from row ``first_row`` on."""
         self.full_shapes[p] = torch.Size(full_shape)
+        self.first_rows[p] = int(first_row)
+
+    def place(self, p: torch.Tensor) -> tuple[int, int]:
+        """(where ``p``'s first element lies in its parameter, the parameter's elements)."""
+        full = self.full_shapes.get(p)
+        if full is None:
+            return 0, p.numel()
+        return self.first_rows.get(p, 0) * math.prod(full[1:]), math.prod(full)
 
     def is_shard(self, p: torch.Tensor) -> bool:
         return p in self.full_shapes

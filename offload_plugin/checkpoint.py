@@ -162,16 +162,29 @@ def validate(engine, state_dict: Mapping, allow_nonfinite: bool = False) -> Load
             position_of[index] = (i, len(position_of))
 
     entries, masters = {}, {}
-    for index, entry in saved_state.items():
+    for index in saved_state:
         if index not in position_of:
             raise ValueError(
                 f"state dict has state for unknown parameter index {index!r}; its groups list "
                 f"{sorted(map(repr, position_of))[:8]}."
             )
+    meshes = engine.slots.meshes
+    if meshes:  # (each rank checks its own part: see _agreed)
+        saved_state = _laid_out_as_params(saved_state, position_of, params)
+    refusal = None
+    for index, entry in saved_state.items():
         g, pos = position_of[index]
-        entries[index], master = _check_entry(engine, index, pos, params[pos], entry, groups[g], allow_nonfinite)
+        try:
+            entries[index], master = _check_entry(engine, index, pos, params[pos], entry, groups[g], allow_nonfinite)
+        except (ValueError, TypeError) as err:
+            if not meshes:
+                raise
+            refusal = refusal or err  # (the other entries' collectives still run, as on every rank)
+            continue
         if master is not None:
             masters[params[pos]] = master
+    if meshes:
+        _agreed(refusal, meshes)
     if eager:  # e.g. Adagrad: its step needs state it creates in __init__, never on the fly
         lacking = [index for index in position_of if not {k for k in entries.get(index, {}) if k != MASTER_KEY}]
         if lacking:
@@ -195,6 +208,40 @@ def validate(engine, state_dict: Mapping, allow_nonfinite: bool = False) -> Load
         for optimizer, mine in owners
     ]
     return LoadPlan(groups=groups, inner=inner, masters=masters)
+
+
+def _laid_out_as_params(saved_state: Mapping, position_of: dict, params: list) -> dict:
+    """Sharded (FSDP2): each DTensor value laid out as its parameter is (redistributed, or
+    gathered for a plain parameter) before any check, so that every rank makes these
+    collectives, in one order, whatever its own part holds."""
+    out = {}
+    for index, entry in saved_state.items():
+        param = params[position_of[index][1]]
+        if isinstance(entry, Mapping):
+            entry = {key: _as_param_is(value, param) for key, value in entry.items()}
+        out[index] = entry
+    return out
+
+
+def _as_param_is(value: Any, param: torch.Tensor) -> Any:
+    if not isinstance(value, DTensor):
+        return value
+    if not isinstance(param, DTensor):
+        return value.full_tensor()
+    if value.device_mesh == param.device_mesh and tuple(value.placements) != tuple(param.placements):
+        return value.redistribute(param.device_mesh, param.placements)
+    return value
+
+
+def _agreed(refusal: Optional[Exception], meshes: list) -> None:
+    """Sharded: each rank checks its own part of the state, so a bad value refuses the load
+    on one rank only; loaded on the others, the ranks' states would differ (and the next
+    collective could hang). Every rank refuses if any does."""
+    if distributed.any_rank(refusal is not None, meshes):
+        if refusal is not None:
+            raise refusal
+        raise ValueError("another rank refused this state dict (its error says why); nothing was "
+                         "loaded on this rank either, so that the ranks keep one state.")
 
 
 def _nonfinite(value: Any) -> bool:

@@ -148,12 +148,12 @@ class CompactAdamW(Optimizer, InnerOptimizer):
             for p in group["params"]:
                 self._remember_version(p)
 
-    def shard_of(self, p: torch.Tensor, full_shape) -> None:
+    def shard_of(self, p: torch.Tensor, full_shape, first_row: int = 0) -> None:
         """``p`` is this rank's rows (a dim-0 shard, as FSDP2 makes) of a parameter of
         ``full_shape``; CPUOffloadOptimizer says so for DTensor parameters. Its state then
         takes the layout every rank agrees on and a checkpoint reshards by rows
         (offload_plugin.block_layout): compact, with block scales per row, or fp32."""
-        self._blocks.shard_of(p, full_shape)
+        self._blocks.shard_of(p, full_shape, first_row)
 
     @torch.no_grad()
     def step(self, closure=None, *, grad_scale: Optional[float] = None) -> Optional[Any]:

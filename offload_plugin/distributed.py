@@ -39,6 +39,7 @@ __all__ = [
     "global_total_norm",
     "shard_like",
     "check_rows_sharded",
+    "first_row",
     "to_local_value",
 ]
 
@@ -216,6 +217,12 @@ def shard_like(host: torch.Tensor, param: torch.Tensor, rows_only: bool = False)
         return DTensor.from_local(host, mesh, param.placements, run_check=False, shape=shape, stride=stride)
     spec = DTensorSpec(mesh, tuple(param.placements), tensor_meta=TensorMeta(shape, stride, host.dtype))
     return DTensor(host, spec, requires_grad=False)
+
+
+def first_row(param: DTensor) -> int:
+    """Where this rank's rows of a dim-0 sharded ``param`` start in the full parameter."""
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return int(offset[0]) if offset else 0
 
 
 def check_rows_sharded(param: DTensor) -> None:

@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin import host_memory, process, state_formats
+from offload_plugin import distributed, host_memory, process, state_formats
 from offload_plugin.distributed import DTensor, local_part
 from offload_plugin.gradients import check_dense
 from offload_plugin.host_buffers import HostSlot, allocate_moments, build_slots
@@ -148,7 +148,7 @@ class Engine:
         for slot in slots:
             slot.on_replaced = hooks.hook(self.inner, "weight_replaced")
             if shard_of is not None and isinstance(slot.param, DTensor):
-                shard_of(slot.master, slot.param.shape)
+                shard_of(slot.master, slot.param.shape, distributed.first_row(slot.param))
         self.slots.add(slots)  # in parameter order: forward order for torchtune's models
         return slots
 

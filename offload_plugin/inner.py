@@ -56,9 +56,10 @@ class InnerOptimizer:
         (a new dict: what the format saves beside its state, such as a weight's digest)."""
         raise NotImplementedError
 
-    def shard_of(self, p: torch.Tensor, full_shape) -> None:
-        """``p`` is this rank's dim-0 rows of a (FSDP2) parameter of ``full_shape``; said
-        before ``p`` has state, so that its layout can agree across ranks."""
+    def shard_of(self, p: torch.Tensor, full_shape, first_row: int = 0) -> None:
+        """``p`` is this rank's dim-0 rows of a (FSDP2) parameter of ``full_shape``, from
+        row ``first_row`` on; said before ``p`` has state, so that its layout can agree
+        across ranks."""
         raise NotImplementedError
 
     def weight_replaced(self, p: torch.Tensor, weight: Optional[torch.Tensor] = None) -> None:

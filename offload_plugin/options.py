@@ -249,6 +249,14 @@ COMBINATIONS: tuple[Rule, ...] = (
          "a parameter is sharded as {placements}: state kept per row (8-bit state's "
          "block scales) needs parameters sharded along dim 0 only, as FSDP2's fully_shard "
          "shards them."),
+    # Adafactor keeps row and column statistics: on a shard each rank would compute them
+    # from its own rows, and its state is not shaped like the shard to save by rows.
+    Rule("check_host_only", "`torch.optim.Adafactor` (factored state) with FSDP2 (DTensor) parameters",
+         REFUSED, lambda f: f.factored and f.sharded,
+         "optimizer_cls={cls} keeps factored state (row and column statistics), which each rank "
+         "could only compute from its own rows: it does not combine with DTensor (FSDP2) "
+         "parameters. Use an optimizer_cls whose state is shaped like the parameter (AdamW, "
+         "AdamW8bit, CompactAdamW, SGD, ...)."),
     # CompactAdamW's master is the bf16 weight plus its own 16-bit remainder; AdamW8bit is
     # bitsandbytes' update on the bf16 weight itself.
     Rule("check_host_only", "`CompactAdamW` or `AdamW8bit` with parameters not bf16, or `master_weights`",
@@ -350,14 +358,15 @@ def check_device_share(params_kept_on_device: list[torch.Tensor]) -> None:
 
 
 def check_host_only(optimizer_cls: type, master_weights: bool, params: list[torch.Tensor]) -> None:
-    """Refuse parameters that a ``bf16_host_only`` class (CompactAdamW) cannot update, before
-    anything is allocated; nothing for other classes."""
+    """Refuse parameters that a ``bf16_host_only`` class (CompactAdamW) cannot update, and
+    DTensor parameters to a class with factored state, before anything is allocated."""
     placements = next((tuple(p.placements) for p in params if isinstance(p, DTensor)
                        and any(q.is_shard() and q.dim != 0 for q in p.placements)), None)
     dtypes = sorted({str(p.dtype) for p in params})
     _apply("check_host_only", host_only=_host_only(optimizer_cls), cls=optimizer_cls.__name__,
            master_weights=master_weights, placements=placements, dtypes=dtypes,
-           dtypes_list=", ".join(dtypes))
+           dtypes_list=", ".join(dtypes), factored=issubclass(optimizer_cls, torch.optim.Adafactor),
+           sharded=any(isinstance(p, DTensor) for p in params))
 
 
 def engine_for(options: Options, settings: dict, params: list[torch.Tensor], *, kept_on_device: bool,

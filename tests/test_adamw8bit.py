@@ -217,6 +217,28 @@ def test_stochastic_rounding_is_unbiased_and_keeps_updates_rounding_to_nearest_l
     assert abs(moved[True] - 20 * 2.0 ** -8 / 10) < 0.1 * 20 * 2.0 ** -8 / 10, moved
 
 
+@pytest.mark.parametrize("shape", [(9, 512), (5, 16)], ids=["8-bit", "32-bit"])
+def test_stochastic_rounding_of_row_shards_is_the_whole_parameters(shape):
+    """FSDP2 shards (told their place by shard_of) round as the whole parameter does: the
+    rounding hashes each element's place in its parameter, not in its shard."""
+    torch.manual_seed(0)
+    whole = torch.randn(shape).to(torch.bfloat16)
+    rows = [whole[:shape[0] // 2 + 1].clone(), whole[shape[0] // 2 + 1:].clone()]
+    kw = dict(lr=LR, stochastic_rounding=True, min_8bit_size=0 if shape[1] % 256 == 0 else 4096)
+    opt = AdamW8bit([whole], **kw)
+    shards = [AdamW8bit([part], **kw) for part in rows]
+    for shard, part, first in zip(shards, rows, (0, rows[0].shape[0])):
+        shard.shard_of(part, shape, first)
+    for step in range(3):
+        grad = _grads(step, [shape])[0]
+        whole.grad = grad
+        opt.step()
+        for shard, part, g in zip(shards, rows, grad.split([r.shape[0] for r in rows])):
+            part.grad = g.clone()
+            shard.step()
+    _assert_same_weights([whole], [torch.cat(rows)])
+
+
 def test_stochastic_rounding_streamed_is_the_host_update_bit_for_bit(monkeypatch):
     """The streamed code (run on the host, in ranges) rounds each element as the host update
     does: the random bits follow the element's place in its parameter, not the unit's."""

@@ -314,6 +314,51 @@ def test_dcp_save_load_resumes_exactly(tmp_path, device):
     _spawn(_check_dcp_resume, tmp_path, device, str(tmp_path / "ckpt"))
 
 
+@pytest.mark.parametrize("inner", ["torch.optim.AdamW", "offload_plugin.AdamW8bit"])
+def test_a_state_dict_one_rank_refuses_is_refused_on_every_rank(tmp_path, inner):
+    """Each rank checks its own part: a NaN in rank 1's rows alone (and, in another entry,
+    state laid out unlike its parameter, which each rank redistributes) must refuse the
+    load on both ranks with their states unchanged, not load on rank 0 (the ranks' states
+    would differ) or leave rank 1 waiting alone in a collective."""
+    _spawn(_check_refused_everywhere, tmp_path, "cpu", inner)
+
+
+def _check_refused_everywhere(rank, inner):
+    from torch.distributed.tensor import Replicate
+
+    dtype = torch.float32 if inner == "torch.optim.AdamW" else torch.bfloat16
+    kwargs = {} if inner == "torch.optim.AdamW" else {"min_8bit_size": 0}  # (fp32 moments 'state1': small)
+    model = _sharded(_model(dtype))
+    opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=inner, lr=LR, **kwargs)
+    _train(model, opt, 1, rank, dtype=dtype)
+    saved = opt.state_dict()
+    _train(model, opt, 1, rank, first_step=1, dtype=dtype)
+    flat = lambda e: {**e, **e.get("__bnb_optimizer_quant_state__", {})}
+    locals_of = lambda sd: {(i, k): v.to_local().clone() for i, e in sd["state"].items()
+                            for k, v in flat(e).items() if isinstance(v, DTensor)}
+    before = locals_of(opt.state_dict())
+    key = "exp_avg_sq" if inner == "torch.optim.AdamW" else "state1"
+    entry = dict(saved["state"][0])
+    value = entry[key] if key in entry else entry["__bnb_optimizer_quant_state__"][key]
+    local = value.to_local().clone()
+    if rank == 1:
+        local[-1, 0] = float("nan")  # (the 5-row weight: rank 1 holds rows 3 and 4)
+    bad = DTensor.from_local(local, value.device_mesh, value.placements, shape=value.shape, stride=value.stride())
+    if key in entry:
+        entry[key] = bad
+    else:
+        entry["__bnb_optimizer_quant_state__"] = dict(entry["__bnb_optimizer_quant_state__"], **{key: bad})
+    saved["state"][0] = entry
+    if inner == "torch.optim.AdamW":  # (a later entry whose collective every rank must reach)
+        later = dict(saved["state"][2])
+        later["exp_avg"] = later["exp_avg"].redistribute(later["exp_avg"].device_mesh, [Replicate()])
+        saved["state"][2] = later
+    with pytest.raises(ValueError, match="inf or NaN" if rank == 1 else "another rank refused"):
+        opt.load_state_dict(saved)
+    after = locals_of(opt.state_dict())
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
 def _check_qlora(rank, clip):
     """NF4 base weights sharded by FSDP2 (torchao's NF4Tensor all-gathers its shards) with
     trainable LoRA adapters: the optimizer drops the frozen NF4 shards and trains the

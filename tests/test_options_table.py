@@ -153,6 +153,15 @@ def test_compact_adamw_needs_row_shards(one_rank):
     CPUOffloadOptimizer(_dtensors(one_rank, 1))  # (other classes keep no state per row)
 
 
+@refusal("`torch.optim.Adafactor` (factored state) with FSDP2 (DTensor) parameters")
+def test_adafactor_with_dtensors(one_rank):
+    _refused("`torch.optim.Adafactor` (factored state) with FSDP2 (DTensor) parameters",
+             lambda: CPUOffloadOptimizer(_dtensors(one_rank, 0), optimizer_cls=torch.optim.Adafactor),
+             cls="Adafactor")
+    CPUOffloadOptimizer(_mlp().parameters(), optimizer_cls=torch.optim.Adafactor)
+    CPUOffloadOptimizer(_dtensors(one_rank, 0), optimizer_cls=torch.optim.SGD, lr=0.1)
+
+
 @refusal("`CompactAdamW` or `AdamW8bit` with parameters not bf16, or `master_weights`")
 def test_compact_adamw_needs_bf16_without_masters():
     combination = "`CompactAdamW` or `AdamW8bit` with parameters not bf16, or `master_weights`"
