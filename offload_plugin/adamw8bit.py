@@ -277,6 +277,7 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         problem = host_update.settings_problem(defaults, flags=("stochastic_rounding",))
         if problem is not None:
             raise ValueError(f"Invalid {problem[0]}: {defaults[problem[0]]!r:.60} ({problem[1]})")
+        defaults["stochastic_rounding"] = bool(stochastic_rounding)  # (a checked 1 or 0)
         super().__init__(params, defaults)
         self._blocks = BlockLayout(BLOCK)  # (which parameters are FSDP2 shards, and their full shapes)
 

@@ -71,7 +71,8 @@ _STATE_KEYS = {
 }
 _SCALAR_KEYS = {"step", "mu_product", "eta", "mu"}
 # Entry keys that tell another optimizer's layout, and where that loads.
-_BNB = "It is bitsandbytes' 8-bit state: it loads into optimizer_cls=offload_plugin.CompactAdamW."
+_BNB = ("It is bitsandbytes' 8-bit layout (bitsandbytes' AdamW8bit, or ours): it loads exactly into "
+        "optimizer_cls=offload_plugin.AdamW8bit (into CompactAdamW within a quantization step).")
 _COMPACT = ("It is CompactAdamW's: load it with optimizer_cls=offload_plugin.CompactAdamW, or convert "
             "it with offload_plugin.compact_optimizer.to_adamw_state_dict.")
 _WHOSE = {"__bnb_optimizer_quant_state__": _BNB, "state1": _BNB, "remainder": _COMPACT, "exp_avg_absmax": _COMPACT}
@@ -252,6 +253,15 @@ def _nonfinite(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isfinite(value)
 
 
+def _writer(group: Mapping) -> str:
+    """Which 8-bit optimizer a saved group's keys tell, and where its state loads."""
+    if "master" in group:
+        return " " + _COMPACT
+    if "stochastic_rounding" in group or "optim_bits" in group:  # (AdamW8bit's, bitsandbytes' own)
+        return " " + _BNB
+    return ""
+
+
 def _check_group(engine, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple[dict, bool]:
     """The group's hyperparameters as ``optimizer_cls`` itself takes and normalizes them
     (AdamW sets decoupled_weight_decay=True on loading, whatever the checkpoint says), and
@@ -267,7 +277,7 @@ def _check_group(engine, i: int, saved: Mapping, allow_nonfinite: bool) -> tuple
             f"lacks {sorted(missing)}, which {cls.__name__} needs (it "
             f"has {sorted(k for k in saved if k != 'params')}). Load it into the class "
             "that wrote it, or start this optimizer fresh."
-            + (f" {_COMPACT}" if "min_8bit_size" in saved else "")
+            + _writer(saved)
         )
     hyper = {k: v for k, v in saved.items() if k != "params"}
     for key in set(contract(cls).optional_group_keys) - saved.keys():

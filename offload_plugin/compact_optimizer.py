@@ -645,6 +645,13 @@ def to_adamw_state_dict(state_dict: dict, params: list) -> tuple[dict, list]:
         if not entry:
             masters.append(weight.float().view(p.shape))
             continue
+        if not (isinstance(entry, dict) and {"step", "exp_avg", "exp_avg_sq"} <= entry.keys()):
+            keys = sorted(map(str, entry)) if isinstance(entry, dict) else type(entry).__name__
+            raise ValueError(
+                f"state entry {index} holds {keys}, not CompactAdamW's state: to_adamw_state_dict "
+                "converts CompactAdamW's state dicts. "
+                + ("It is bitsandbytes' 8-bit layout: load it with optimizer_cls=offload_plugin.AdamW8bit."
+                   if bnb_state.is_bnb_entry(entry) else ""))
         if _is_fp32_layout(entry):
             master = compact_adam.master_of(weight, entry.get("remainder"))
             moments = {k: entry[k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}

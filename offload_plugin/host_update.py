@@ -113,8 +113,8 @@ def settings_problem(group: Mapping, flags: tuple = ()) -> Optional[tuple[str, s
     """What is wrong with an Adam group's settings for the 8-bit updates (CompactAdamW's,
     AdamW8bit's), as (key, what it needs), or None: lr, eps and weight_decay finite numbers
     >= 0 (or one-element tensors), betas two numbers in [0, 1) (beta1 = 1 divides by zero),
-    min_8bit_size a whole number >= 0, and each key of ``flags`` True or False (a string
-    "False" is not)."""
+    min_8bit_size a whole number >= 0, and each key of ``flags`` True or False (or 1 or 0;
+    a string "False" is not False)."""
     def number(value) -> Optional[float]:
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
             value = value.item()
@@ -131,8 +131,9 @@ def settings_problem(group: Mapping, flags: tuple = ()) -> Optional[tuple[str, s
     size = group.get("min_8bit_size", 0)
     if isinstance(size, bool) or not isinstance(size, int) or size < 0:
         return "min_8bit_size", "a whole number >= 0"
-    for key in flags:
-        if not isinstance(group.get(key, False), bool):
+    for key in flags:  # (0 and 1 too, as the offload optimizer's own flags take them)
+        value = group.get(key, False)
+        if not (isinstance(value, numbers.Integral) and value in (0, 1)):
             return key, "True or False"
     return None
 

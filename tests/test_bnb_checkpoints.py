@@ -194,3 +194,28 @@ def test_this_optimizers_master_setting_holds_where_bitsandbytes_has_none():
         opt.load_state_dict(copy.deepcopy(theirs.state_dict()))
         assert opt.param_groups[0]["master"] is False
         assert not any("remainder" in entry for entry in opt.state_dict()["state"].values())
+
+
+@pytest.mark.parametrize("writer, says", [
+    ("offload_plugin.AdamW8bit", "optimizer_cls=offload_plugin.AdamW8bit"),
+    ("offload_plugin.CompactAdamW", "optimizer_cls=offload_plugin.CompactAdamW"),
+])
+def test_an_eight_bit_checkpoint_in_the_default_mode_is_refused_naming_its_writer(writer, says):
+    """The refusal says which class loads it, and the conversion it may suggest refuses a
+    layout it does not convert instead of crashing."""
+    from offload_plugin.compact_optimizer import to_adamw_state_dict
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64, 80).to(torch.bfloat16))]
+    opt = CPUOffloadOptimizer(params, optimizer_cls=writer, lr=1e-3)
+    params[0].grad = torch.randn_like(params[0])
+    opt.step()
+    saved = opt.state_dict()
+    default = CPUOffloadOptimizer([torch.nn.Parameter(params[0].detach().clone())], lr=1e-3)
+    before = snapshot(default)
+    with pytest.raises(ValueError, match=f"another optimizer class.*{says}"):
+        default.load_state_dict(saved)
+    assert_unchanged(before, snapshot(default))
+    if writer.endswith("AdamW8bit"):
+        with pytest.raises(ValueError, match="not CompactAdamW's state.*offload_plugin.AdamW8bit"):
+            to_adamw_state_dict(saved, params)
