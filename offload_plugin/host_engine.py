@@ -17,6 +17,7 @@ schedule that owns it (``offload_plugin.schedules``: one table says which runs):
 
 from __future__ import annotations
 
+import logging
 import weakref
 from functools import partial
 from typing import Callable, Optional, Union
@@ -38,6 +39,8 @@ from offload_plugin.updates import StepPlan, Updates
 from offload_plugin.weight_sync import WeightTracker, adopt_weight
 
 __all__ = ["HostEngine"]
+
+log = logging.getLogger("offload_plugin.optimizer")
 
 
 class _GradHook:
@@ -277,6 +280,10 @@ class HostEngine(Engine):
         return grads
 
     def zero_grad(self, set_to_none: bool, clear: Callable[[], None]) -> None:
+        # overlap_next_step() announced a step() that never came (its backward raised, and
+        # the batch is being dropped): it ends here, or every later backward would be
+        # refused as a second one.
+        abandoned = self.overlap if not self.in_backward else None
         if not self.options.delayed_update and self.returned_early is None and not self.in_backward:
             self.updates.flush(self.running)
             if self.scaling.clip_norms is not None:
@@ -292,6 +299,16 @@ class HostEngine(Engine):
             # (Slots whose update this backward queued keep their copy's event: the update
             # waits for it. Waiting here would stall the backward on the GPU.)
             self.grads.reset(set_to_none, keep=in_backward.in_flight(self))
+        if abandoned is not None and self.overlap is abandoned:
+            self.running, self.overlap = None, None
+            self.scaling.reset()
+            if abandoned.schedule == "during_backward" and abandoned.seen:
+                log.warning(
+                    "CPUOffloadOptimizer: zero_grad() after overlap_next_step() without step() (did "
+                    "the backward raise?): that step is dropped, but the %d parameter(s) whose "
+                    "gradients had arrived were already updated during the backward, as a torch "
+                    "step stopped part way leaves them. Load a checkpoint to undo them.",
+                    len(abandoned.seen))
 
     # ------------------------------------------------------------------ state and weights
     def forget_state(self) -> None:

@@ -124,6 +124,9 @@ class Scaling:
         else:
             self.finite.clear()
         self.scaled_since_zero_grad = True
+        # Norms taken during backward (overlap_next_step(clipping=True)) are of the gradients
+        # before this multiply: a clip now takes them anew, as torch's would.
+        self.clip_norms = None
 
     # ------------------------------------------------------------------ clipping
     def clip(self, params: list[torch.Tensor], grads: list[torch.Tensor], meshes: list,

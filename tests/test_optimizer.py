@@ -473,6 +473,67 @@ def test_a_second_clip_after_an_announced_one_sees_clipped_gradients():
     assert_same_params(ref_model, model, exact=True)
 
 
+def test_a_scale_after_clipping_announced_without_one_is_in_the_clip():
+    """overlap_next_step(clipping=True) without grad_scale, then scale_grads: the norms
+    taken during backward were of the unscaled gradients; the clip must see the scaled
+    ones, as torch's scale-then-clip does."""
+    ref_model, model = twins()
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2, weight_decay=0.1)
+    opt = offload(model, offload_gradients=True, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        x, y = batch(step, 0, "cpu")
+        opt.overlap_next_step(clipping=True)
+        ((model(x) - y) ** 2).sum().backward()
+        opt.scale_grads(0.3)
+        got = opt.clip_grad_norm_(0.05)
+        opt.step()
+        opt.zero_grad()
+        ((ref_model(x) - y) ** 2).sum().backward()
+        for p in trainable(ref_model):
+            p.grad.mul_(0.3)
+        want = torch.nn.utils.clip_grad_norm_(trainable(ref_model), 0.05)
+        ref.step()
+        ref.zero_grad()
+        assert got.item() == want.item(), step
+    assert_same_params(ref_model, model, exact=True)
+
+
+@pytest.mark.parametrize("clipping", [False, True], ids=["during-backward", "clipping"])
+def test_a_backward_that_raises_after_overlap_next_step_can_be_dropped(clipping, caplog):
+    """overlap_next_step(), then a backward that raises part way (an OOM), then zero_grad()
+    to drop the batch: training goes on. Updates that had started during that backward
+    stay, as torch's AdamW stepped on the gradients that had arrived (and the log says so);
+    with clipping nothing had started."""
+    ref_model, model = twins()
+    ref = reference(torch.optim.AdamW, trainable(ref_model), lr=1e-2, weight_decay=0.1)
+    opt = offload(model, offload_gradients=True, lr=1e-2, weight_decay=0.1)
+
+    def failing_backward(m):
+        x, y = batch(9, 0, "cpu")
+        hidden = m[2](m[1](m[0](x)))
+        hidden.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("out of memory")))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            ((m[4](m[3](hidden)) - y) ** 2).sum().backward()
+
+    opt.overlap_next_step(grad_scale=1.0, clipping=clipping)
+    failing_backward(model)
+    with caplog.at_level(logging.WARNING, logger="offload_plugin.optimizer"):
+        opt.zero_grad()
+    failing_backward(ref_model)
+    if not clipping:
+        ref.step()  # (the last layer's gradients had arrived)
+        assert "already updated during the backward" in caplog.text
+    ref.zero_grad()
+    assert not opt.overlapping
+    for step in range(2):
+        x, y = batch(step, 0, "cpu")
+        for m, o in ((model, opt), (ref_model, ref)):
+            ((m(x) - y) ** 2).sum().backward()
+            o.step()
+            o.zero_grad()
+    assert_same_params(ref_model, model, exact=True)
+
+
 def test_clipping_announced_refuses_a_second_scale():
     _, model = twins()
     opt = offload(model, offload_gradients=True, lr=1e-2)
