@@ -338,9 +338,9 @@ class StreamedEngine(Engine):
 
     def reload_weights(self) -> None:
         """CPUOffloadOptimizer.reload_weights(): weights may have been written where the
-        version counters do not see it (through another view, or a raw pointer): the format drops what its state
-        derived from every weight (CompactAdamW's remainders: each master restarts from its
-        weight)."""
+        marks do not see it (through another view, or a raw pointer): the format drops what
+        its state derived from every weight (CompactAdamW's remainders: each master restarts
+        from its weight)."""
         if self.format.watches_weights:
             self._take_new_weights(self.slots)
 
