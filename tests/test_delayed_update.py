@@ -167,22 +167,30 @@ def test_resume_continues_from_the_saved_model(device, order, tmp_path):
     order), the model checkpoint is one update behind the optimizer's state: the resume
     continues from the model as saved (the parameter is the truth), like a run whose weights
     were reloaded from that checkpoint."""
-    model = make_model(device)
-    opt = offload(model, delayed_update=True, offload_gradients=True, **KW)
-    _train(model, opt, 3)
+    _assert_resume_continues(lambda seed: make_model(device, seed=seed),
+                             lambda m: offload(m, delayed_update=True, offload_gradients=True, **KW),
+                             _train, order, tmp_path)
+
+
+def _assert_resume_continues(make, build, train, order, tmp_path):
+    """Save after 3 steps in ``order``, train 3 more; a fresh model (``make(seed)``) and
+    optimizer (``build(model)``) loaded from the checkpoint train the same 3 bit for bit."""
+    model = make(0)
+    opt = build(model)
+    train(model, opt, 3)
     if order == "finish-then-save":
         opt.finish_step()
     model_sd = copy.deepcopy(model.state_dict())
     torch.save(opt.state_dict(), tmp_path / "opt.pt")
     if order == "model-saved-first":
         model.load_state_dict(model_sd)  # the uninterrupted run, from the same weights
-    _train(model, opt, 3, start=3)
+    train(model, opt, 3, start=3)
 
-    resumed = make_model(device, seed=1)
+    resumed = make(1)
     resumed.load_state_dict(model_sd)
-    opt2 = offload(resumed, delayed_update=True, offload_gradients=True, **KW)
+    opt2 = build(resumed)
     opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
-    _train(resumed, opt2, 3, start=3)
+    train(resumed, opt2, 3, start=3)
     assert_same_params(model, resumed, exact=True)
 
 
@@ -222,8 +230,8 @@ def test_process_exits_cleanly_with_an_update_pending():
 def test_resume_with_an_eight_bit_state(cls, order, tmp_path):
     """The classes that keep their own state layout resume a delayed run as AdamW does: the
     checkpoint loads into the configuration that wrote it and continues exactly."""
-    def bf16_model():
-        torch.manual_seed(0)  # one layer big enough for 8-bit moments (4096 elements and up)
+    def bf16_model(seed):
+        torch.manual_seed(seed)  # one layer big enough for 8-bit moments (4096 elements and up)
         return torch.nn.Sequential(torch.nn.Linear(16, 128), torch.nn.Tanh(),
                                    torch.nn.Linear(128, 64), torch.nn.Tanh(),
                                    torch.nn.Linear(64, 4)).to(torch.bfloat16)
@@ -235,21 +243,5 @@ def test_resume_with_an_eight_bit_state(cls, order, tmp_path):
             opt.step()
             opt.zero_grad()
 
-    kw = dict(optimizer_cls=cls, delayed_update=True, **KW)
-    model = bf16_model()
-    opt = CPUOffloadOptimizer(model.parameters(), **kw)
-    run(model, opt, 3)
-    if order == "finish-then-save":
-        opt.finish_step()
-    model_sd = copy.deepcopy(model.state_dict())
-    torch.save(opt.state_dict(), tmp_path / "opt.pt")
-    if order == "model-saved-first":
-        model.load_state_dict(model_sd)
-    run(model, opt, 3, start=3)
-
-    resumed = bf16_model()
-    resumed.load_state_dict(model_sd)
-    opt2 = CPUOffloadOptimizer(resumed.parameters(), **kw)
-    opt2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
-    run(resumed, opt2, 3, start=3)
-    assert_same_params(model, resumed, exact=True)
+    _assert_resume_continues(bf16_model, lambda m: CPUOffloadOptimizer(
+        m.parameters(), optimizer_cls=cls, delayed_update=True, **KW), run, order, tmp_path)
