@@ -8,11 +8,13 @@ import logging
 from offload_plugin.adamw8bit import AdamW8bit
 from offload_plugin.checkpoint_compat import convert_torchao_state_dict
 from offload_plugin.compact_optimizer import CompactAdamW
+from offload_plugin.grad_handle import OffloadedGrad
 from offload_plugin.host_memory import HostMemoryError
 from offload_plugin.host_worker import HostUpdateError
 from offload_plugin.optimizer import CPUOffloadOptimizer
 
-__all__ = ["CPUOffloadOptimizer", "AdamW8bit", "CompactAdamW", "HostMemoryError", "HostUpdateError", "convert_torchao_state_dict"]
+__all__ = ["CPUOffloadOptimizer", "AdamW8bit", "CompactAdamW", "HostMemoryError", "HostUpdateError", "OffloadedGrad",
+           "convert_torchao_state_dict"]
 
 # Like torchtune's own logger: show our INFO lines (what was kept, where the update runs)
 # unless the application has configured logging for us.

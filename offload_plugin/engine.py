@@ -66,7 +66,7 @@ class Engine:
         self.options = options
         self.slots = SlotTable()
         self.inner: Optional[Optimizer] = None
-        self.scaling = Scaling(options.nonfinite_grads, options.offload_gradients)
+        self.scaling = Scaling(options.nonfinite_grads)
         self.resources: Optional[process.Resources] = None
         self.transfers = self.worker = self.arena = None
         self.taken_over: set[int] = set()  # ids of parameters a newer optimizer updates now

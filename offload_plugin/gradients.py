@@ -65,6 +65,9 @@ class GradientPath:
         self._pin, self._delayed_update = pin, delayed_update
         self._runs_cache: dict = {}  # for transfer.packed_runs: our host buffers' runs
         self._flags: Optional[torch.Tensor] = None  # copy_at_step's verdicts (see there)
+        # What ``.grad`` becomes once a gradient has left (the engine's: an OffloadedGrad
+        # for parameters that can hold one, else None).
+        self.left_behind: Callable[[HostSlot], Optional[torch.Tensor]] = lambda slot: None
 
     def offload(self, slot: HostSlot, before: Optional[Callable] = None,
                 extremes: bool = False, add_in_worker: bool = True) -> bool:
@@ -98,7 +101,8 @@ class GradientPath:
             slot.incoming_pending = True
             if add_in_worker:
                 self.worker.submit(lambda: self.complete(slot), urgent=True)
-        param.grad = None
+        param.grad = self.left_behind(slot)
+        slot.device_part = None
         return first
 
     def _extremes_of(self, slot: HostSlot, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,12 +245,17 @@ class GradientPath:
             if id(slot.master) in keep:
                 slot.has_grad = False
                 continue
-            if slot.grad_event is None and slot.incoming_event is None and not slot.incoming_pending:
-                _reset_slot(slot, set_to_none)  # nothing in flight (the usual case): no lock
-                continue
-            # Let in-flight copies land before their buffers count as free again. The lock:
-            # with delayed_update the worker may be adding an accumulated gradient.
-            with slot.complete_lock:
-                Transfers.wait(slot.grad_event)
-                Transfers.wait(slot.incoming_event)
-                _reset_slot(slot, set_to_none)
+            self.reset_slot(slot, set_to_none)
+
+    @staticmethod
+    def reset_slot(slot: HostSlot, set_to_none: bool) -> None:
+        """:meth:`reset` of one slot."""
+        if slot.grad_event is None and slot.incoming_event is None and not slot.incoming_pending:
+            _reset_slot(slot, set_to_none)  # nothing in flight (the usual case): no lock
+            return
+        # Let in-flight copies land before their buffers count as free again. The lock:
+        # with delayed_update the worker may be adding an accumulated gradient.
+        with slot.complete_lock:
+            Transfers.wait(slot.grad_event)
+            Transfers.wait(slot.incoming_event)
+            _reset_slot(slot, set_to_none)

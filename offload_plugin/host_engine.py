@@ -23,12 +23,14 @@ from functools import partial
 from typing import Callable, Optional, Union
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from offload_plugin import schedules
 from offload_plugin.device_share import DeviceShare
 from offload_plugin.distributed import local_part
 from offload_plugin.engine import Engine
+from offload_plugin.grad_handle import OffloadedGrad, is_handle_of
 from offload_plugin.gradients import GradientPath, check_dense
 from offload_plugin.host_buffers import HostSlot, give_host_copies
 from offload_plugin.host_update import forget_batches
@@ -59,6 +61,21 @@ class _GradHook:
         engine = self._engine()
         if engine is not None:
             engine.on_grad_accumulated(param)
+
+
+class _BeforeGrad:
+    """A parameter's tensor hook (it runs before autograd adds the new gradient to
+    ``.grad``), weakly bound as _GradHook is."""
+
+    __slots__ = ("_engine", "_param")
+
+    def __init__(self, engine: "HostEngine", param: torch.Tensor) -> None:
+        self._engine, self._param = weakref.ref(engine), weakref.ref(param)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        engine, param = self._engine(), self._param()
+        if engine is not None and param is not None:
+            engine.before_grad(param)
 
 
 class HostEngine(Engine):
@@ -128,8 +145,13 @@ class HostEngine(Engine):
         if self.device_share is not None:  # one group per outer group, even if empty
             self.device_share.add_group({k: v for k, v in group.items() if k != "params"}, on_device)
         if self.options.offload_gradients:
+            self.grads.left_behind = self._left_behind
             for slot in slots:
+                self._hooks.append(slot.param.register_hook(_BeforeGrad(self, slot.param)))
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(_GradHook(self)))
+                if isinstance(slot.param, DTensor):
+                    # (a DTensor's .grad must be one: its gradient leaves None behind)
+                    self.scaling.hidden_grads = True
         return slots
 
     def holds(self, param: torch.Tensor) -> bool:
@@ -174,6 +196,82 @@ class HostEngine(Engine):
         return values.pop() if values else float(grad_scale)
 
     # ------------------------------------------------------------------ gradients
+    def _left_behind(self, slot: HostSlot) -> Optional[torch.Tensor]:
+        """What an offloaded gradient leaves as ``.grad``: its handle (grad_handle)."""
+        if isinstance(slot.param, DTensor):
+            return None
+        return OffloadedGrad(slot.param, slot, weakref.WeakMethod(self.host_grad))
+
+    def host_grad(self, slot: HostSlot, writes: bool) -> torch.Tensor:
+        """An OffloadedGrad's host gradient, complete; before a write, nothing may still
+        read it (a step that returned early) or be about to (an overlapped step)."""
+        early_forward.finish(self)
+        if writes and self.running is not None:
+            raise RuntimeError(
+                "a gradient offloaded after overlap_next_step() was changed (e.g. by "
+                "clip_grad_norm_ or zero_grad) before step(): its update may already be "
+                "running. Clip with the optimizer (overlap_next_step(clipping=True), then "
+                "optimizer.clip_grad_norm_()), or don't call overlap_next_step().")
+        if self.scaling.clip_norms is not None:  # the worker may still be scaling host sums
+            self.scaling.clip_norms.batch.flush()
+            self.worker.drain()
+        if self.scaling.clip_coef is not None:  # a clip left to the updates: do it now
+            self.scaling.apply_clip_now(self.ready_grads())
+        if not slot.has_grad:
+            raise RuntimeError(
+                "this .grad is an offloaded gradient that the optimizer has since "
+                "consumed or cleared (optimizer.zero_grad(), or a delayed_update step): "
+                "read param.grad again.")
+        self.grads.complete(slot)
+        return slot.grad
+
+    def follow_grad(self, slot: HostSlot) -> bool:
+        """Make the host gradient follow ``.grad``, as torch's optimizers read only
+        ``.grad``, and return whether ``.grad`` holds a device gradient still to offload.
+
+        With offloaded gradients ``.grad`` is the slot's handle while the host gradient
+        stands; ``None`` means it was cleared (``model.zero_grad()``, ``p.grad = None``)
+        and another tensor replaced it (``p.grad = g``), except the sum autograd builds on
+        the device with accumulate_on_device, which adds to the host gradient.
+        """
+        grad = slot.param.grad
+        if not self.options.offload_gradients or isinstance(slot.param, DTensor):
+            return grad is not None  # (a DTensor's offloaded gradient leaves None: no handle)
+        if is_handle_of(grad, slot):
+            return False
+        part = slot.device_part() if slot.device_part is not None else None
+        if grad is not None and grad is part:
+            return True
+        slot.device_part = None
+        if slot.has_grad or slot.incoming_pending:
+            self.grads.reset_slot(slot, set_to_none=True)
+        return grad is not None
+
+    def before_grad(self, param: torch.Tensor) -> None:
+        """Tensor hook (offload_gradients=True), before autograd adds a new gradient to
+        ``.grad``: the host gradient follows ``.grad`` (:meth:`follow_grad`); a handle
+        steps aside so that autograd starts the device part afresh (the offload adds it
+        to the host sum)."""
+        if self.taken_over and id(param) in self.taken_over:
+            return
+        early_forward.on_backward(self, param)  # (a step that returned early reads the host gradients)
+        slot = self.slots[param]
+        if is_handle_of(param.grad, slot) and self.options.accumulate_on_device:
+            # Gradients never cleared between steps, summed on the device: autograd adds
+            # to the sum so far in torch's order only if that sum is on the device.
+            param.grad = param.grad.clone()
+            self.grads.reset_slot(slot, set_to_none=True)
+        elif is_handle_of(param.grad, slot):
+            param.grad = None
+        else:
+            self.follow_grad(slot)
+
+    def release_handle(self, slot: HostSlot) -> None:
+        """The step took ``slot``'s gradient buffer away (delayed_update): ``.grad`` no
+        longer stands for it."""
+        if is_handle_of(slot.param.grad, slot):
+            slot.param.grad = None
+
     def on_grad_accumulated(self, param: torch.Tensor) -> None:
         """Backward hook (offload_gradients=True)."""
         if self.taken_over and id(param) in self.taken_over:
@@ -191,7 +289,9 @@ class HostEngine(Engine):
                 )
             overlap.seen.add(id(param))
         elif self.options.accumulate_on_device:
-            return  # not the last backward (overlap_next_step): autograd adds the next one on the device
+            # Not the last backward (overlap_next_step): autograd adds the next one on the device.
+            self.slots[param].device_part = weakref.ref(param.grad)
+            return
         self.offload_grad(param)
 
     def offload_grad(self, param: torch.Tensor) -> None:
@@ -224,7 +324,7 @@ class HostEngine(Engine):
         """offload_gradients: every gradient complete on the host (a ``.grad`` set on the
         device by hand is offloaded too); returns the slots that have one."""
         for slot in self.slots:
-            if slot.param.grad is not None:
+            if self.follow_grad(slot):
                 self.offload_grad(slot.param)
         ready = [s for s in self.slots.in_order(self.params()) if s.has_grad]
         for slot in ready:

@@ -274,10 +274,11 @@ class CPUOffloadOptimizer(Optimizer):
         unscaling the gradients first where this is True, as it is for torch's fused AdamW,
         whose kernel divides by it: a different rounding from unscaling, and fp16 gradients,
         which GradScaler refuses to unscale, work. The streamed update runs that kernel.
-        Offloaded gradients are not on the model, where GradScaler looks for them: True
-        there too, so that it hands its scale to step(), which refuses it with advice
+        Offloaded gradients leave a handle on ``.grad`` that GradScaler unscales (the host
+        copy: grad_handle), except those of DTensor parameters, which leave nothing: True
+        there, so that it hands its scale to step(), which refuses it with advice
         (unscaling would find no gradient and fail with torch's "No inf checks")."""
-        return self._engine.streams or self.offload_gradients
+        return self._engine.streams or self._engine.scaling.hidden_grads
 
     @property
     def overlapping(self) -> bool:
@@ -295,7 +296,8 @@ class CPUOffloadOptimizer(Optimizer):
         nothing (``nonfinite_grads="skip"``, with a warning; the streamed update warns at
         the next step or state read) or raises (``"raise"``).
         """
-        check_amp_scaler(self.options, getattr(self, "grad_scale", None))
+        check_amp_scaler(self.options, getattr(self, "grad_scale", None),
+                         hidden_grads=self._engine.scaling.hidden_grads)
         check_not_taken_over(self._engine.taken_over)
         loss = None
         if closure is not None:

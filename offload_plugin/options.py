@@ -281,13 +281,15 @@ COMBINATIONS: tuple[Rule, ...] = (
          "parameters", REFUSED, lambda f: f.early_forward and f.sharded,
          "overlap_next_step(early_forward=True) is not supported with DTensor (FSDP2) "
          "parameters; pass early_forward=False (`early_forward: False` in our recipes)."),
-    # GradScaler checks and unscales the gradients on the model, where offloaded ones are not.
-    Rule("check_amp_scaler", "torch.amp `GradScaler` with `offload_gradients`", REFUSED,
-         lambda f: f.grad_scale is not None and f.offload_gradients,
-         "torch.amp.GradScaler with offload_gradients=True: the gradients are moved to "
-         "host memory during backward, where GradScaler cannot check or unscale them. "
-         "Use offload_gradients=False with GradScaler, or train in bf16 without a "
-         "scaler (as torchtune does). Nothing was updated."),
+    # GradScaler checks and unscales the gradients on the model, where offloaded gradients
+    # of DTensor parameters leave nothing (the others leave a handle it unscales: grad_handle).
+    Rule("check_amp_scaler", "torch.amp `GradScaler` with `offload_gradients` and DTensor (FSDP2) "
+         "parameters", REFUSED,
+         lambda f: f.grad_scale is not None and f.offload_gradients and f.hidden_grads,
+         "torch.amp.GradScaler with offload_gradients=True and DTensor (FSDP2) parameters: "
+         "their gradients are moved to host memory during backward, where GradScaler cannot "
+         "check or unscale them. Use offload_gradients=False with GradScaler, or train in "
+         "bf16 without a scaler (as torchtune does). Nothing was updated."),
     # A format's kernel may take no scale to divide by (CompactAdamW's: bf16 needs no loss
     # scaling); torch's fused AdamW kernel divides by it.
     Rule("check_amp_scaler", "torch.amp `GradScaler` on the streamed engine with a state format "
@@ -399,14 +401,15 @@ def check_overlap(options: Options, *, early_forward: bool, sharded: bool) -> No
 
 
 def check_amp_scaler(options: Options, grad_scale: Optional[torch.Tensor], engine: str = HOST,
-                     format_takes_scale: bool = True) -> None:
+                     format_takes_scale: bool = True, hidden_grads: bool = False) -> None:
     """Refuse torch.amp.GradScaler's scale (``optimizer.grad_scale``, handed to ``step()``)
     where the update cannot take it; ``engine``: the one that runs this step, with a state
-    format whose kernel takes a scale or not (``format_takes_scale``)."""
+    format whose kernel takes a scale or not (``format_takes_scale``); ``hidden_grads``:
+    offloaded gradients leave no handle on ``.grad`` (grad_handle)."""
     if grad_scale is None:  # (every step asks, one optimizer per parameter under optimizer_in_bwd)
         return
     _apply("check_amp_scaler", grad_scale=grad_scale, offload_gradients=options.offload_gradients,
-           format_takes_scale=format_takes_scale, engine=engine)
+           format_takes_scale=format_takes_scale, engine=engine, hidden_grads=hidden_grads)
 
 
 def combinations_markdown() -> str:

@@ -78,9 +78,11 @@ def multiplier(factor: Union[float, torch.Tensor], grad_dtype: torch.dtype,
 class Scaling:
     """One optimizer's gradient scale, clip and inf/NaN verdict."""
 
-    def __init__(self, nonfinite_grads: str, offload_gradients: bool) -> None:
+    def __init__(self, nonfinite_grads: str) -> None:
         self.nonfinite_grads = nonfinite_grads
-        self._offload_gradients = offload_gradients
+        # Gradients offloaded without a handle left on .grad (DTensor parameters: see
+        # grad_handle), which torch's scale and clip over model.parameters() cannot see.
+        self.hidden_grads = False
         self.finite = FiniteRecord()
         self.clip_norms: Optional[ClipNorms] = None  # overlap_next_step(clipping=True), until step()
         self.clip_coef: Optional[torch.Tensor] = None  # clip's multiply, left to the updates
@@ -233,7 +235,7 @@ class Scaling:
         log.warning("CPUOffloadOptimizer: %s.", what)
 
     def warn_if_unscaled(self, param_groups: list[dict]) -> None:
-        if self._offload_gradients and not self.scaled_since_zero_grad and not self._warned_unscaled:
+        if self.hidden_grads and not self.scaled_since_zero_grad and not self._warned_unscaled:
             # torch.distributed.checkpoint's get/set_optimizer_state_dict create the state
             # with a step on zero gradients at lr=0, which must not use up the warning.
             if all(float(g["lr"]) == 0 for g in param_groups):
@@ -244,12 +246,11 @@ class Scaling:
             log.warning(
                 "\nCPUOffloadOptimizer(offload_gradients=True): step() ran without "
                 "optimizer.scale_grads() or optimizer.clip_grad_norm_() since zero_grad(), so "
-                "the gradients were applied unscaled and unclipped. torchtune's stock recipes "
-                "call training.scale_grads(model, ...) and "
-                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...), which cannot see "
-                "offloaded gradients (they are no longer on model.parameters()): the "
-                "grad_norm such a recipe logs is then 0.0. With a stock recipe set "
-                "optimizer.offload_gradients=False; to offload gradients use offload_plugin's "
-                "recipes (tune run offload_plugin/recipes/...) or call the optimizer's "
-                "scale_grads() and clip_grad_norm_() in your loop. (Shown once.)"
+                "the gradients were applied unscaled and unclipped. Offloaded gradients of "
+                "sharded (FSDP2) parameters leave .grad as None, where "
+                "training.scale_grads(model, ...) and "
+                "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) cannot see them "
+                "(the grad_norm such a loop logs is then 0.0): call the optimizer's "
+                "scale_grads() and clip_grad_norm_() (our recipes do), or set "
+                "offload_gradients=False. (Shown once.)"
             )

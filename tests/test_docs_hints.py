@@ -7,7 +7,6 @@
   ending its line) and says why the recipe's logged grad_norm is 0.0 and what to do.
 """
 
-import logging
 import os
 import subprocess
 import sys
@@ -74,22 +73,3 @@ def test_tune_run_on_a_missing_demo_says_what_to_run(recipe, tmp_path):
     assert proc.returncode != 0
     assert f"python -m offload_plugin.demo prepare --output-dir {missing}" in proc.stderr
     assert "is not a valid directory" not in proc.stderr
-
-
-def test_unscaled_offloaded_gradients_warn_once_on_a_line_of_their_own(caplog):
-    """What torchtune's stock recipes do with offload_gradients=True: clip (and scale) through
-    model.parameters(), which see no gradient, so their norm is 0.0; the warning explains it."""
-    model = torch.nn.Linear(8, 8)
-    optimizer = CPUOffloadOptimizer(model.parameters(), offload_gradients=True)
-    with caplog.at_level(logging.WARNING, logger="offload_plugin"):
-        for _ in range(2):
-            model(torch.randn(4, 8)).sum().backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-    assert float(norm) == 0.0
-    (record,) = [r for r in caplog.records if "offload_gradients=True" in r.getMessage()]
-    message = record.getMessage()
-    assert message.startswith("\nCPUOffloadOptimizer(offload_gradients=True)")
-    assert "grad_norm such a recipe logs is then 0.0" in message
-    assert "optimizer.offload_gradients=False" in message and "offload_plugin/recipes" in message

@@ -213,20 +213,18 @@ def _scaled_step(opt, params) -> list:
     return [p.detach().clone() for p in params]
 
 
-@refusal("torch.amp `GradScaler` with `offload_gradients`")
-def test_grad_scaler_with_offloaded_gradients():
-    model = _mlp()
-    opt = CPUOffloadOptimizer(model.parameters(), offload_gradients=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    scaler.scale(model(torch.randn(2, 16)).sum()).backward()
-    before = [p.detach().clone() for p in model.parameters()]
-    _refused("torch.amp `GradScaler` with `offload_gradients`", lambda: scaler.step(opt))
-    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    model = _mlp()
-    opt = CPUOffloadOptimizer(model.parameters())
-    before = _scaled_step(opt, list(model.parameters()))
+@refusal("torch.amp `GradScaler` with `offload_gradients` and DTensor (FSDP2) parameters")
+def test_grad_scaler_with_offloaded_dtensor_gradients(one_rank):
+    params = _dtensors(one_rank, 0)
+    opt = CPUOffloadOptimizer(params, offload_gradients=True)
+    before = _scaled_step(opt, params)
+    _refused("torch.amp `GradScaler` with `offload_gradients` and DTensor (FSDP2) parameters", opt.step)
+    assert all(torch.equal(a, b) for a, b in zip(before, params))
+    params = _dtensors(one_rank, 0)
+    opt = CPUOffloadOptimizer(params)
+    before = _scaled_step(opt, params)
     opt.step()
-    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not all(torch.equal(a, b) for a, b in zip(before, params))
 
 
 @refusal("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s, `AdamW8bit`'s)")

@@ -63,7 +63,7 @@ def submit_the_rest(engine, plan: StepPlan) -> None:
     """Hand every slot with a gradient not yet submitted to the worker."""
     rest = []
     for slot in engine.slots.in_order(engine.params()):
-        if engine.options.offload_gradients and slot.param.grad is not None:
+        if engine.options.offload_gradients and engine.follow_grad(slot):
             engine.offload_grad(slot.param)  # set by hand; offloading submits it
         elif slot.has_grad and id(slot.master) not in plan.submitted:
             rest.append(slot)

@@ -94,6 +94,7 @@ def _submit(engine, plan: StepPlan) -> None:
         if slot.grad_spare is not None:  # the next backward lands in the other one
             slot.grad, slot.grad_spare = slot.grad_spare, slot.grad
         slot.has_grad, slot.grad_event = False, None
+        engine.release_handle(slot)
         plan.submitted.add(id(slot.master))
         batch.add((slot, job_slot), slot.master.numel())
     batch.flush()

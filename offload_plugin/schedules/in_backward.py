@@ -32,7 +32,7 @@ def applies(engine) -> bool:
 def step(engine) -> None:
     plan = engine.updates.plan(engine.param_groups, grad_scale=None, check_each=True, clip_coef=None)
     for slot in engine.slots.in_order(engine.params()):
-        if slot.param.grad is not None:
+        if engine.follow_grad(slot):
             engine.grads.offload(slot, extremes=True, add_in_worker=False)
         if slot.has_grad and id(slot.master) not in plan.submitted:
             engine.submit(plan, [slot])

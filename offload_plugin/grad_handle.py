@@ -1,0 +1,127 @@
+"""An offloaded gradient as ``param.grad``: a handle whose operations run on the host copy.
+
+With ``offload_gradients=True`` each gradient leaves the device during backward. Leaving
+``.grad`` as ``None`` then would hide it from everything that follows torch's conventions:
+``model.zero_grad()`` (Hugging Face's ``Trainer`` clears with it alone) would not clear it,
+and ``clip_grad_norm_(model.parameters())`` would find no gradient (norm 0.0, nothing
+clipped): silently not torch's result. So ``.grad`` becomes an :class:`OffloadedGrad`: a
+tensor with the gradient's shape, dtype and device but no device memory, whose operations
+(``zero_``, ``mul_``, norms, GradScaler's unscale, reading it) run on the host copy.
+
+What the model's ``.grad`` says is the truth, as in torch. The engine reads it (see
+``GradientPath.follow``): still this handle, the host gradient stands and the next
+backward adds to it; ``None`` (``model.zero_grad()``, ``p.grad = None``), the host gradient
+is gone; another tensor (``p.grad = g``), that tensor is the gradient.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from offload_plugin.scaling import multiplier
+
+__all__ = ["OffloadedGrad", "is_handle_of"]
+
+aten = torch.ops.aten
+_ALIASES = (aten.detach.default, aten.alias.default)  # .data, .detach(): the same gradient
+
+
+class OffloadedGrad(torch.Tensor):
+    """``param.grad`` of an offloaded gradient (see the module docstring).
+
+    ``access`` is a weak reference to the engine's ``host_grad(slot, writes)``: it waits for the slot's copies (and for
+    anything still reading the gradient, before a write) and returns the host tensor.
+    """
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, param: torch.Tensor, slot: Any, access: Callable):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False)
+
+    def __init__(self, param: torch.Tensor, slot: Any, access: Callable) -> None:
+        # Weak: the parameter holds its .grad, and the slot holds the parameter.
+        self._slot = weakref.ref(slot)
+        self._access = access
+
+    def host(self, writes: bool = False) -> torch.Tensor:
+        """The host gradient this handle stands for (complete)."""
+        slot, access = self._slot(), self._access()
+        if slot is None or access is None:
+            raise RuntimeError(
+                "this .grad is a gradient offloaded by a CPUOffloadOptimizer that no longer "
+                "exists: clear it (model.zero_grad()) before the next backward.")
+        return access(slot, writes)
+
+    def __repr__(self) -> str:
+        return (f"OffloadedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"device={self.device}: in host memory)")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _ALIASES:
+            handle = args[0]
+            slot = handle._slot()
+            return cls(handle, slot, handle._access) if slot is not None else handle
+        flat, spec = tree_flatten((args, kwargs))
+        written = _written(func, args, kwargs)
+        handles = [x for x in flat if isinstance(x, OffloadedGrad)]
+        device = handles[0].device
+        # Every operand on the host: the handles as their host gradients, device tensors
+        # as copies (written back below if the operation writes them).
+        host_flat, host_of = [], {}
+        for x in flat:
+            if isinstance(x, OffloadedGrad):
+                host = x.host(writes=id(x) in written)
+                host_of[id(host)] = x
+                host_flat.append(host)
+            elif isinstance(x, torch.Tensor) and x.device.type != "cpu":
+                host_flat.append(_factor_on_host(func, x, handles) if x.dim() == 0 else x.cpu())
+            else:
+                host_flat.append(x)
+        host_args, host_kwargs = tree_unflatten(host_flat, spec)
+        out = func(*host_args, **host_kwargs)
+        for original, host in zip(flat, host_flat):
+            if (isinstance(original, torch.Tensor) and not isinstance(original, OffloadedGrad)
+                    and id(original) in written and host is not original):
+                original.copy_(host)  # (e.g. GradScaler's found_inf, on the device)
+        out_flat, out_spec = tree_flatten(out)
+        # A result that is a handle's host gradient (an in-place op returns its input) is
+        # that handle; anything else computed goes to where the gradient lives.
+        out_flat = [host_of.get(id(o), o.to(device) if isinstance(o, torch.Tensor)
+                                and id(o) not in host_of else o) for o in out_flat]
+        return tree_unflatten(out_flat, out_spec)
+
+
+def _written(func, args, kwargs) -> set[int]:
+    """Ids of the tensors ``func`` writes (its schema's mutable arguments)."""
+    written: set[int] = set()
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in (value if isinstance(value, (list, tuple)) else [value]):
+            if isinstance(t, torch.Tensor):
+                written.add(id(t))
+    return written
+
+
+def _factor_on_host(func, factor: torch.Tensor, handles: list[OffloadedGrad]) -> torch.Tensor:
+    """A 0-dim device tensor multiplying a gradient (clip_grad_norm_'s coefficient,
+    torchtune's scale_grads): on a GPU the kernel reads it in the gradient's dtype, so the
+    host multiplies by that value (scaling.multiplier) to give the same bits."""
+    if func in (aten.mul_.Tensor, aten.mul.Tensor) and factor.dtype.is_floating_point:
+        value = multiplier(factor, handles[0].dtype, factor.device.type != "cpu")
+        return torch.tensor(value, dtype=factor.dtype)
+    return factor.cpu()
+
+
+def is_handle_of(grad: Any, slot: Any) -> bool:
+    """Whether ``grad`` is the handle of ``slot``'s offloaded gradient."""
+    return type(grad) is OffloadedGrad and grad._slot() is slot
