@@ -17,7 +17,7 @@ is gone; another tensor (``p.grad = g``), that tensor is the gradient.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -40,23 +40,35 @@ class OffloadedGrad(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, param: torch.Tensor, slot: Any, access: Callable):
+    def __new__(cls, param: torch.Tensor, slot: Any, engine: Any):
         return torch.Tensor._make_wrapper_subclass(
             cls, param.shape, dtype=param.dtype, device=param.device, requires_grad=False)
 
-    def __init__(self, param: torch.Tensor, slot: Any, access: Callable) -> None:
-        # Weak: the parameter holds its .grad, and the slot holds the parameter.
-        self._slot = weakref.ref(slot)
-        self._access = access
+    def __init__(self, param: torch.Tensor, slot: Any, engine: Any) -> None:
+        # Weak: the parameter holds its .grad, and the engine holds the parameter.
+        self._slot, self._engine = weakref.ref(slot), weakref.ref(engine)
 
-    def host(self, writes: bool = False) -> torch.Tensor:
-        """The host gradient this handle stands for (complete)."""
-        slot, access = self._slot(), self._access()
-        if slot is None or access is None:
+    def _owner(self) -> tuple[Any, Any]:
+        slot, engine = self._slot(), self._engine()
+        if slot is None or engine is None:
             raise RuntimeError(
                 "this .grad is a gradient offloaded by a CPUOffloadOptimizer that no longer "
                 "exists: clear it (model.zero_grad()) before the next backward.")
-        return access(slot, writes)
+        return slot, engine
+
+    def host(self, writes: bool = False) -> torch.Tensor:
+        """The host gradient this handle stands for (complete)."""
+        slot, engine = self._owner()
+        return engine.host_grad(slot, writes)
+
+    def __imul__(self, other: Any) -> "OffloadedGrad":
+        # torchtune's scale_grads (`p.grad *= factor`): on a GPU the kernel reads a 0-dim
+        # device factor in the gradient's dtype (scaling.multiplier). torch's clip
+        # multiplies real gradients with a foreach kernel, which reads it in fp32: that
+        # is what mul_ below does.
+        if isinstance(other, torch.Tensor) and other.dim() == 0 and other.device.type != "cpu":
+            other = torch.tensor(multiplier(other, self.dtype, on_accelerator=True))
+        return self.mul_(other)
 
     def __repr__(self) -> str:
         return (f"OffloadedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -66,9 +78,13 @@ class OffloadedGrad(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _ALIASES:
-            handle = args[0]
-            slot = handle._slot()
-            return cls(handle, slot, handle._access) if slot is not None else handle
+            slot, engine = args[0]._owner()
+            return cls(args[0], slot, engine)
+        if func is aten.linalg_vector_norm.default and _is_whole_2_norm(args, kwargs):
+            slot, engine = args[0]._owner()
+            norm = engine.device_norm(slot)
+            if norm is not None:  # torch's clip would have taken this one, on the device
+                return norm
         flat, spec = tree_flatten((args, kwargs))
         written = _written(func, args, kwargs)
         handles = [x for x in flat if isinstance(x, OffloadedGrad)]
@@ -82,7 +98,7 @@ class OffloadedGrad(torch.Tensor):
                 host_of[id(host)] = x
                 host_flat.append(host)
             elif isinstance(x, torch.Tensor) and x.device.type != "cpu":
-                host_flat.append(_factor_on_host(func, x, handles) if x.dim() == 0 else x.cpu())
+                host_flat.append(x.cpu())
             else:
                 host_flat.append(x)
         host_args, host_kwargs = tree_unflatten(host_flat, spec)
@@ -112,14 +128,11 @@ def _written(func, args, kwargs) -> set[int]:
     return written
 
 
-def _factor_on_host(func, factor: torch.Tensor, handles: list[OffloadedGrad]) -> torch.Tensor:
-    """A 0-dim device tensor multiplying a gradient (clip_grad_norm_'s coefficient,
-    torchtune's scale_grads): on a GPU the kernel reads it in the gradient's dtype, so the
-    host multiplies by that value (scaling.multiplier) to give the same bits."""
-    if func in (aten.mul_.Tensor, aten.mul.Tensor) and factor.dtype.is_floating_point:
-        value = multiplier(factor, handles[0].dtype, factor.device.type != "cpu")
-        return torch.tensor(value, dtype=factor.dtype)
-    return factor.cpu()
+def _is_whole_2_norm(args, kwargs) -> bool:
+    """linalg_vector_norm(handle) as clip_grad_norm_ asks it: the 2-norm of all of it."""
+    bound = dict(zip(("x", "ord", "dim", "keepdim"), args), **kwargs)
+    return (float(bound.get("ord", 2)) == 2.0 and bound.get("dim") is None
+            and not bound.get("keepdim", False) and bound.get("dtype") is None)
 
 
 def is_handle_of(grad: Any, slot: Any) -> bool:

@@ -48,7 +48,7 @@ def _reset_slot(slot: HostSlot, set_to_none: bool) -> None:
     else:
         slot.has_grad = False
     slot.incoming_pending = False
-    slot.grad_event = slot.incoming_event = None
+    slot.grad_event = slot.incoming_event = slot.device_norm = None
 
 
 def _check_into(flag: torch.Tensor, sources: list) -> None:

@@ -193,6 +193,9 @@ class HostSlot:
     # accumulate_on_device: a weak reference to the gradient autograd is summing on the
     # device, to be added to the host gradient when it leaves (see HostEngine.follow_grad).
     device_part: object = None
+    # The gradient's 2-norm taken on the device as it left, while the host gradient is
+    # unchanged since (see HostEngine.device_norm).
+    device_norm: Optional[torch.Tensor] = None
     # The gradient's minimum and maximum, taken on the device as it left (see
     # CPUOffloadOptimizer._offload_grad): buffers on the device and the host, and whether
     # the host copy describes what ``grad`` holds now.

@@ -200,7 +200,7 @@ class HostEngine(Engine):
         """What an offloaded gradient leaves as ``.grad``: its handle (grad_handle)."""
         if isinstance(slot.param, DTensor):
             return None
-        return OffloadedGrad(slot.param, slot, weakref.WeakMethod(self.host_grad))
+        return OffloadedGrad(slot.param, slot, self)
 
     def host_grad(self, slot: HostSlot, writes: bool) -> torch.Tensor:
         """An OffloadedGrad's host gradient, complete; before a write, nothing may still
@@ -223,7 +223,20 @@ class HostEngine(Engine):
                 "consumed or cleared (optimizer.zero_grad(), or a delayed_update step): "
                 "read param.grad again.")
         self.grads.complete(slot)
+        if writes:
+            slot.device_norm = None
         return slot.grad
+
+    def device_norm(self, slot: HostSlot) -> Optional[torch.Tensor]:
+        """The 2-norm of ``slot``'s host gradient as torch's clip_grad_norm_ takes it on
+        the device (``_foreach_norm``), if the device took it as the gradient left and the
+        host gradient is unchanged since (no sum, scale or write); else None."""
+        self.host_grad(slot, writes=False)
+        return slot.device_norm
+
+    @staticmethod
+    def _take_device_norm(slot: HostSlot, grad: torch.Tensor) -> None:
+        slot.device_norm = torch._foreach_norm([grad], 2.0)[0]
 
     def follow_grad(self, slot: HostSlot) -> bool:
         """Make the host gradient follow ``.grad``, as torch's optimizers read only
@@ -304,8 +317,14 @@ class HostEngine(Engine):
         # update that starts now needs an inf/NaN verdict (the gradient's extremes come
         # along); a clipped step needs each gradient scaled and its norm.
         norms = self.scaling.clip_norms if plan is None else None
+        before = partial(norms.on_device, slot) if norms is not None else None
+        slot.device_norm = None
+        if before is None and not slot.has_grad and param.device.type != "cpu" and not isinstance(param, DTensor):
+            # For a clip over model.parameters() through the handle: the norm torch's
+            # would take of the device gradient (on the host it would round otherwise).
+            before = partial(self._take_device_norm, slot)
         first = self.grads.offload(
-            slot, before=partial(norms.on_device, slot) if norms is not None else None,
+            slot, before=before,
             extremes=plan is not None and plan.check_each, add_in_worker=plan is None,
         )
         if plan is not None:
@@ -359,6 +378,8 @@ class HostEngine(Engine):
     def grads_in_place(self, action: str) -> list[torch.Tensor]:
         """The gradients scaling and clipping act on: device ``.grad`` or offloaded copies."""
         early_forward.finish(self)
+        for slot in self.slots:
+            slot.device_norm = None  # (they are about to change)
         if self.running is not None:
             raise RuntimeError(
                 f"{action} after overlap_next_step(): the updates already use the "

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from offload_plugin import CPUOffloadOptimizer, OffloadedGrad
-from reference_twin import DEVICES, batch, make_model
+from reference_twin import DEVICES, batch, make_model, train
 
 KWARGS = {"lr": 1e-2, "weight_decay": 0.1}
 
@@ -75,6 +75,14 @@ def test_every_way_of_clearing_and_clipping_gives_torchs_result(clear, mode, cli
     ref_model, ref, model, opt = _twins(mode, device)
     ref_run = _loop(ref_model, ref, CLEARS[clear], clip=clip, device=device)
     _same_run(ref_model, model, ref_run, _loop(model, opt, CLEARS[clear], clip=clip, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torchtunes_stock_scale_and_clip_reach_offloaded_gradients(device):
+    """torchtune's stock recipes' training.scale_grads(model, 1/num_tokens) and
+    clip_grad_norm_(model.parameters()) over offloaded gradients give torch's result."""
+    ref_model, ref, model, opt = _twins("offload_gradients", device)
+    _same_run(ref_model, model, train(ref_model, ref, 4, clip=0.05), train(model, opt, 4, clip=0.05))
 
 
 @pytest.mark.parametrize("offload_gradients", [False, True])
