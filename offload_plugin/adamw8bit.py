@@ -399,8 +399,8 @@ class AdamW8bit(Optimizer, InnerOptimizer):
                         f"parameter group {i} of the state dict has {key}={value!r:.40}, which bitsandbytes' "
                         f"AdamW8bit does not do ({'AdEMAMix' if key in _BNB_GROUP_KEYS else key}): load it "
                         "into the optimizer that wrote it. Nothing was loaded.")
-        for key in ("fused", "foreach", "is_paged"):
-            hyper.pop(key, None)
+        # ("fused", "foreach", "is_paged" stay, as in bitsandbytes' groups: torchtitan's
+        # checkpointer expects every key it saved back in the next state dict.)
         for key in self.optional_group_keys:
             hyper.setdefault(key, current[key])
         missing = sorted(set(self.defaults) - hyper.keys())

@@ -228,10 +228,14 @@ class HostEngine(Engine):
         return slot.grad
 
     def device_norm(self, slot: HostSlot) -> Optional[torch.Tensor]:
-        """The 2-norm of ``slot``'s host gradient as torch's clip_grad_norm_ takes it on
-        the device (``_foreach_norm``), if the device took it as the gradient left and the
-        host gradient is unchanged since (no sum, scale or write); else None."""
-        self.host_grad(slot, writes=False)
+        """The 2-norm of ``slot``'s host gradient as torch's clip_grad_norm_ takes it of a
+        gradient on the device (``_foreach_norm``); None for a parameter on the CPU (the
+        host's norm is that one). Taken as the gradient left, while the host gradient is
+        unchanged since; else (a sum accumulated on the host, a scaled gradient) of a copy
+        sent back for it: exact, at the cost of one copy to the device."""
+        grad = self.host_grad(slot, writes=False)
+        if slot.device_norm is None and slot.param.device.type != "cpu":
+            slot.device_norm = torch._foreach_norm([grad.to(slot.param.device)], 2.0)[0]
         return slot.device_norm
 
     @staticmethod

@@ -10,7 +10,43 @@ import torch
 
 from offload_plugin.engine import Engine
 
-__all__ = ["StateView"]
+__all__ = ["HostEntry", "StateView"]
+
+
+class HostEntry(MutableMapping):
+    """One parameter's state as ``optimizer.state[p]`` hands it out: the entry itself, except
+    that a tensor assigned on another device over a host tensor of its shape and dtype is
+    copied into that host tensor. Lightning moves every state tensor to the GPU after
+    loading a checkpoint (``v[key] = val.to(device)``, key by key): the state stays in host
+    memory, and the GPU holds one moved tensor at a time, never the whole state."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, entry: dict) -> None:
+        self._entry = entry
+
+    def __getitem__(self, key):
+        return self._entry[key]
+
+    def __setitem__(self, key, value) -> None:
+        held = self._entry.get(key)
+        if (isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and value.device != held.device
+                and held.device.type == "cpu" and value.shape == held.shape and value.dtype == held.dtype):
+            held.copy_(value)
+            return
+        self._entry[key] = value
+
+    def __delitem__(self, key) -> None:
+        del self._entry[key]
+
+    def __iter__(self):
+        return iter(self._entry)
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def __repr__(self) -> str:
+        return repr(self._entry)
 
 
 class StateView(MutableMapping):
@@ -36,7 +72,7 @@ class StateView(MutableMapping):
     def __getitem__(self, param):
         # Both optimizers' state is a defaultdict, as torch's optimizers' state is.
         state, key = self._where(param)
-        return state[key]
+        return HostEntry(state[key])
 
     def __setitem__(self, param, value):
         state, key = self._where(param)

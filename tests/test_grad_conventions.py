@@ -223,3 +223,21 @@ def test_dcp_state_dict_helpers_give_torchs_result(mode):
     ref = _dcp_run(lambda m: torch.optim.AdamW(trainable(m), fused=True, **KWARGS))
     ours = _dcp_run(lambda m: CPUOffloadOptimizer(m.parameters(), **MODES[mode], **KWARGS))
     _same_run(ref, ours, (), ())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the state moved to it")
+@pytest.mark.parametrize("mode", ["default", "offload_gradients"])
+def test_state_moved_to_the_gpu_as_lightning_moves_it_stays_in_host_memory(mode):
+    """Lightning's resume moves each state tensor to the GPU (``v[key] = val.to(device)``):
+    the values land in the host state, which stays there, and training goes on as torch's."""
+    ref_model, ref, model, opt = _twins(mode, "cuda")
+    clear = CLEARS["optimizer.zero_grad()"]
+    _loop(ref_model, ref, clear, steps=2, device="cuda")
+    _loop(model, opt, clear, steps=2, device="cuda")
+    for entry in opt.state.values():
+        for key, value in entry.items():
+            if key != "step":
+                entry[key] = value.to("cuda")
+    assert all(v.device.type == "cpu" for e in opt.state.values() for v in e.values() if isinstance(v, torch.Tensor))
+    _same_run(ref_model, model, _loop(ref_model, ref, clear, steps=2, device="cuda"),
+              _loop(model, opt, clear, steps=2, device="cuda"))

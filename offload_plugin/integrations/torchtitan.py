@@ -1,17 +1,21 @@
 """torchtitan 0.3.0: its optimizers as CPUOffloadOptimizer, with their state in host memory.
 
-torchtitan builds ``config.optimizer.build(model_parts=...)``: the class that declares the
-config's type. Swap the config in a config function of your own (``--module`` takes a path)::
+torchtitan builds ``config.optimizer.build(model_parts=...)``, an instance of the class that
+declares the config's type. Put our config there in a config function of your own module
+(``--module`` takes a dotted path); the optimizer names and param groups stay as they were::
 
-    # my_configs.py                                    (others: optimizer_factory_kwargs_by_name)
+    # my_configs.py
     from torchtitan.models.llama3.config_registry import llama3_8b
     from offload_plugin.integrations.torchtitan import offload_optimizers
+
     def llama3_8b_offload():
         config = llama3_8b()
         config.optimizer = offload_optimizers(config.optimizer, offload_gradients=True)
-        config.training.disable_cuda_graphs = True  # with offload_gradients on a GPU
+        config.training.disable_cuda_graphs = True  # offload_gradients needs it on a GPU
         return config
+
     # torchrun --nproc_per_node=1 -m torchtitan.train --module my_configs --config llama3_8b_offload
+    # (the command line takes --optimizer.offload-gradients / --optimizer.no-offload-gradients)
 """
 
 from __future__ import annotations
@@ -83,6 +87,49 @@ class OffloadOptimizersContainer(OptimizersContainer):
                 "the backward skips the hooks that move gradients to host memory. Set "
                 "--training.disable_cuda_graphs (config.training.disable_cuda_graphs = True).")
         super().zero_grad(set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load the flat, FQN-keyed dict ``state_dict()`` returns (after DCP filled it in place).
+
+        torchtitan's own unflattening keeps only the state names the live optimizer holds,
+        which drops bitsandbytes' nested 8-bit state (AdamW8bit saves it under
+        ``__bnb_optimizer_quant_state__``); this rebuilds each entry from the saved keys.
+        """
+        for optimizer in self.optimizers:
+            optimizer.load_state_dict(_unflatten(optimizer, state_dict))
+
+
+def _unflatten(optimizer: Optimizer, flat: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of torchtitan's ``get_flat_optim_state_dict`` for ``optimizer``: keys
+    ``state.{fqn}.{name}[.{name}...]`` and ``param_groups.{fqn}.{key}``, FQNs from each
+    group's ``param_names``. Keys of other optimizers' parameters are left alone."""
+    index = {fqn: i for i, fqn in enumerate(f for g in optimizer.param_groups for f in g["param_names"])}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in flat.items():
+        parts = key.split(".")
+        if parts[0] != "state":
+            continue
+        # The longest prefix that is one of ours (no parameter's FQN prefixes another's).
+        for cut in range(len(parts) - 1, 1, -1):
+            i = index.get(".".join(parts[1:cut]))
+            if i is not None:
+                node = state.setdefault(i, {})
+                for part in parts[cut:-1]:
+                    node = node.setdefault(part, {})
+                node[parts[-1]] = value
+                break
+    groups, first = [], 0
+    for group in optimizer.param_groups:
+        fqns, ids = group["param_names"], list(range(first, first + len(group["param_names"])))
+        first += len(ids)
+        values = {}
+        for key in group.keys() - {"params", "param_names"}:
+            flat_key = f"param_groups.{fqns[0]}.{key}" if fqns else None
+            if flat_key not in flat:
+                raise KeyError(f"the checkpoint has no {flat_key!r} (optimizer param group key {key!r})")
+            values[key] = flat[flat_key]
+        groups.append({**values, "params": ids})
+    return {"state": state, "param_groups": groups}
 
 
 def offload_optimizers(config: OptimizersContainer.Config, **options: Any) -> OffloadOptimizersContainer.Config:
