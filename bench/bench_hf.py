@@ -97,7 +97,7 @@ def run_single(args) -> dict:
         model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
     if args.cap_gib and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(args.cap_gib * GIB / total, device)
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * GIB / total, torch.cuda.current_device())
     batch = args.tokens_per_step // args.seq_len
     steps = args.warmup + args.steps
 
@@ -147,7 +147,10 @@ def run_child(args, name: str, cap) -> dict:
            "--tokens-per-step", str(args.tokens_per_step), "--seq-len", str(args.seq_len),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-grad-norm", str(args.max_grad_norm),
            "--tmp", args.tmp] + (["--cap-gib", str(cap)] if cap else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"run": name, "cap_gib": cap, "error": f"did not finish in {args.timeout} s (--timeout)"}
     for line in proc.stdout.splitlines():
         if line.startswith(MARKER):
             return json.loads(line[len(MARKER):])

@@ -33,8 +33,10 @@ _ALIASES = (aten.detach.default, aten.alias.default)  # .data, .detach(): the sa
 class OffloadedGrad(torch.Tensor):
     """``param.grad`` of an offloaded gradient (see the module docstring).
 
-    ``access`` is a weak reference to the engine's ``host_grad(slot, writes)``: it waits for the slot's copies (and for
-    anything still reading the gradient, before a write) and returns the host tensor.
+    ``engine`` (held weakly) gives the host gradient (``host_grad(slot, writes)``: it
+    waits for the slot's copies, and for anything still reading the gradient before a
+    write) and its 2-norm as torch's clip would take it on the device
+    (``device_norm(slot)``).
     """
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -85,6 +87,10 @@ class OffloadedGrad(torch.Tensor):
             norm = engine.device_norm(slot)
             if norm is not None:  # torch's clip would have taken this one, on the device
                 return norm
+        if func in (aten.mul_.Tensor, aten.mul_.Scalar) and _is_one(args[1]):
+            # clip_grad_norm_ multiplies by its clamped coefficient even when it is 1.0 (HF
+            # logs the norm through a clip at inf): x * 1.0 is x, without a pass over host memory.
+            return args[0]
         flat, spec = tree_flatten((args, kwargs))
         written = _written(func, args, kwargs)
         handles = [x for x in flat if isinstance(x, OffloadedGrad)]
@@ -126,6 +132,13 @@ def _written(func, args, kwargs) -> set[int]:
             if isinstance(t, torch.Tensor):
                 written.add(id(t))
     return written
+
+
+def _is_one(factor: Any) -> bool:
+    """Whether a multiplier is exactly 1 (a number or a 0-dim tensor)."""
+    if isinstance(factor, torch.Tensor):
+        return factor.dim() == 0 and not isinstance(factor, OffloadedGrad) and bool(factor == 1)
+    return isinstance(factor, (int, float)) and factor == 1
 
 
 def _is_whole_2_norm(args, kwargs) -> bool:

@@ -224,7 +224,10 @@ class HostEngine(Engine):
                 "read param.grad again.")
         self.grads.complete(slot)
         if writes:
+            # (An op inside the handle's dispatch does not move the host tensor's version
+            # counter, which the finite verdict's record would otherwise see.)
             slot.device_norm = None
+            self.scaling.finite.clear()
         return slot.grad
 
     def device_norm(self, slot: HostSlot) -> Optional[torch.Tensor]:

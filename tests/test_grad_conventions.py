@@ -51,11 +51,38 @@ def _loop(model, opt, clear, *, steps=4, accum=2, clip=None, device="cpu", dtype
     return losses, norms
 
 
+class _HostAdamW:
+    """The reference of the host update on a GPU: torch's fused AdamW stepping host copies of
+    the parameters with their gradients, which is what that update computes (torch's CPU
+    kernel, whose fp32 bits differ from its CUDA kernel's: README, "Choose a mode")."""
+
+    def __init__(self, params, **kwargs):
+        self.params = list(params)
+        self.host = [p.detach().cpu() for p in self.params]
+        self.inner = torch.optim.AdamW(self.host, fused=True, **kwargs)
+
+    @torch.no_grad()
+    def step(self):
+        for p, h in zip(self.params, self.host):
+            h.grad = None if p.grad is None else p.grad.cpu()
+        self.inner.step()
+        for p, h in zip(self.params, self.host):
+            p.copy_(h)
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            if p.grad is not None:
+                p.grad = None if set_to_none else p.grad.zero_()
+
+
 def _twins(mode, device="cpu"):
-    """A model with torch's fused AdamW, and a deep copy with ours in ``mode``."""
+    """A model with torch's fused AdamW (on a GPU, where ours updates on the host, its CPU
+    kernel on host copies), and a deep copy with ours in ``mode``."""
     ref_model = make_model(device)
     model = copy.deepcopy(ref_model)
-    ref = torch.optim.AdamW([p for p in ref_model.parameters() if p.requires_grad], fused=True, **KWARGS)
+    trainable = [p for p in ref_model.parameters() if p.requires_grad]
+    host_update = device != "cpu" and mode != "default"
+    ref = _HostAdamW(trainable, **KWARGS) if host_update else torch.optim.AdamW(trainable, fused=True, **KWARGS)
     return ref_model, ref, model, CPUOffloadOptimizer(model.parameters(), **MODES[mode], **KWARGS)
 
 
@@ -241,3 +268,20 @@ def test_state_moved_to_the_gpu_as_lightning_moves_it_stays_in_host_memory(mode)
     assert all(v.device.type == "cpu" for e in opt.state.values() for v in e.values() if isinstance(v, torch.Tensor))
     _same_run(ref_model, model, _loop(ref_model, ref, clear, steps=2, device="cuda"),
               _loop(model, opt, clear, steps=2, device="cuda"))
+
+
+def test_a_clip_that_does_not_clip_leaves_the_host_gradients_alone(monkeypatch):
+    """A clip whose coefficient clamps to 1.0 (HF takes the norm it logs through a clip at
+    inf) multiplies by 1.0, which leaves every bit as it was: the host gradients are not
+    written (no pass over host memory), and the step is torch's."""
+    ref_model, ref, model, opt = _twins("offload_gradients")
+    for m in (ref_model, model):
+        x, y = batch(0, 0, "cpu")
+        ((m(x) - y) ** 2).mean().backward()
+    asked, host_grad = [], opt.engine.host_grad
+    monkeypatch.setattr(opt.engine, "host_grad", lambda slot, writes: asked.append(writes) or host_grad(slot, writes))
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf")) for m in (ref_model, model)]
+    assert torch.equal(*norms) and asked and not any(asked)
+    ref.step()
+    opt.step()
+    _same_run(ref_model, model, (), ())

@@ -376,5 +376,6 @@ def test_quick_lane_and_gpu_marker_select_what_the_readme_says():
     assert modules(everything) - modules(quick) <= {
         f"tests/{m}.py" for m in ("test_recipes", "test_bench_smoke", "test_distributed", "test_crash_safety",
                                   "test_dtensor", "test_dtensor_changed_weights", "test_readme",
-                                  "test_stock_recipes", "test_exit", "test_packaging")}
+                                  "test_stock_recipes", "test_exit", "test_packaging",
+                                  "frameworks/test_docs_examples")}
     assert _collected("-m", "gpu") == _collected("-k", "cuda or gpu")

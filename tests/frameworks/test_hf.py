@@ -18,7 +18,6 @@ from .hf_support import (  # noqa: E402
     CLEARS, LR, MAX_GRAD_NORM, STEPS, WEIGHT_DECAY, train_accelerate, train_hf,
 )
 
-pytestmark = pytest.mark.slow  # 15 to 22 s on 2 cores (about 6 s of it importing transformers and trl)
 
 # What HF builds by default (optim="adamw_torch_fused"; weight_decay is set on its two groups).
 ADAMW = {"lr": LR, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": WEIGHT_DECAY, "fused": True}
