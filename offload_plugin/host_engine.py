@@ -99,6 +99,9 @@ class HostEngine(Engine):
         # Each slot's weight when its host copy last matched it (by slot.order): a weight
         # written outside the optimizer since is adopted before the next update reads it.
         self.weights = WeightTracker()
+        # A step() since the last zero_grad(), and whether the warning about hidden gradients
+        # carried past it was given (see before_grad).
+        self._stepped, self._warned_carried = False, False
 
     @classmethod
     def take_over(cls, streamed: Engine) -> "HostEngine":
@@ -166,6 +169,7 @@ class HostEngine(Engine):
     # ------------------------------------------------------------------ step
     def step(self) -> None:
         schedules.run_step(self)
+        self._stepped = True
 
     def finish(self) -> None:
         in_backward.finish(self)
@@ -276,6 +280,15 @@ class HostEngine(Engine):
             return
         early_forward.on_backward(self, param)  # (a step that returned early reads the host gradients)
         slot = self.slots[param]
+        if isinstance(param, DTensor) and slot.has_grad and self._stepped and not self._warned_carried:
+            self._warned_carried = True
+            log.warning(
+                "\nCPUOffloadOptimizer(offload_gradients=True): a backward after step() adds to "
+                "gradients from before it, which optimizer.zero_grad() was not called to clear. "
+                "Offloaded gradients of sharded (FSDP2) parameters leave .grad as None, so "
+                "model.zero_grad() cannot clear them (Hugging Face's Trainer clears only that "
+                "way): call optimizer.zero_grad() after each step, or set "
+                "offload_gradients=False. (Shown once; right if you meant to add them.)")
         if is_handle_of(param.grad, slot) and self.options.accumulate_on_device:
             # Gradients never cleared between steps, summed on the device: autograd adds
             # to the sum so far in torch's order only if that sum is on the device.
@@ -408,6 +421,7 @@ class HostEngine(Engine):
         return grads
 
     def zero_grad(self, set_to_none: bool, clear: Callable[[], None]) -> None:
+        self._stepped = False
         # overlap_next_step() announced a step() that never came (its backward raised, and
         # the batch is being dropped): it ends here, or every later backward would be
         # refused as a second one.

@@ -6,6 +6,7 @@ the FSDP2 ranks of test_dtensor.py, which stand in for GPU ranks, and one varian
 test_exit.py case set the host thread themselves."""
 
 import pytest
+import torch.distributed as dist
 
 from offload_plugin import process
 
@@ -28,3 +29,15 @@ def pytest_collection_modifyitems(items):
         name = item.nodeid.lower()  # (file, test and parameter names, as -k reads them)
         if "gpu" in name or "cuda" in name:
             item.add_marker(pytest.mark.gpu)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of one rank (gloo) and its CPU mesh, for DTensor parameters."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

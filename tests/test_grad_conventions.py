@@ -285,3 +285,25 @@ def test_a_clip_that_does_not_clip_leaves_the_host_gradients_alone(monkeypatch):
     ref.step()
     opt.step()
     _same_run(ref_model, model, (), ())
+
+
+@pytest.mark.parametrize("clear", ["model.zero_grad()", "optimizer.zero_grad()"])
+def test_sharded_offloaded_gradients_carried_past_a_step_warn_once(one_rank, clear, caplog):
+    """DTensor (FSDP2) parameters' offloaded gradients leave .grad as None, where
+    model.zero_grad() cannot clear them: the first backward that adds to gradients from
+    before a step says so, once, with the fix; after optimizer.zero_grad() nothing is said."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.manual_seed(0)
+    weight = nn.Parameter(distribute_tensor(torch.randn(8, 4), one_rank, [Shard(0)]))
+    model = nn.ParameterList([weight])
+    opt = CPUOffloadOptimizer(model.parameters(), offload_gradients=True, lr=1e-2)
+    with caplog.at_level("WARNING", logger="offload_plugin"):
+        for _ in range(3):
+            (weight * weight).sum().backward()
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            CLEARS[clear](model, opt)
+    carried = [r for r in caplog.records if "adds to gradients from before it" in r.getMessage()]
+    assert len(carried) == (1 if clear == "model.zero_grad()" else 0)
+    assert not carried or "call optimizer.zero_grad() after each step" in carried[0].getMessage()

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from offload_plugin import CPUOffloadOptimizer, CompactAdamW, compact_streamed, options, streamed
@@ -78,18 +77,6 @@ def on_cpu(monkeypatch):
     """The streamed engine on CPU parameters (tests/test_streamed.py), so that CPU runs
     choose between the engines as a GPU run would."""
     monkeypatch.setattr(streamed, "_ON_CPU", True)
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    """A process group of one rank (gloo) and its CPU mesh, for DTensor parameters."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _dtensors(mesh, dim: int, dtype=torch.float32) -> list:
