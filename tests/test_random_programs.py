@@ -5,7 +5,8 @@ A program is a list of operations, each applied to two twins: the model under
 CPUOffloadOptimizer and a deep copy under torch's fused AdamW. Training steps (accumulation,
 torchtune's scaling by 1/tokens, clipping, both zero_grad flavours), weights edited in
 place or loaded, lr changed, state read, edited in place, replaced, saved and loaded back,
-step counts edited, and torch's own state dict loaded into ours. Four ways the update can
+step counts edited, and torch's own state dict loaded into ours; gradients cleared by the
+model as Hugging Face's Trainer clears them. Four ways the update can
 run: the host update (what CPU parameters get), the streamed update's CPU twin (the default
 on a GPU, ``streamed._ON_CPU``), offloaded gradients (with our recipes' overlapped schedule
 among the operations) and half the update kept on the device (``device_fraction``). And the
@@ -45,6 +46,8 @@ OPERATIONS = st.one_of(
               st.booleans(), st.sampled_from([False, False, True])),
     *SHARED,
     st.tuples(st.just("zero_grad kept, step")),
+    st.tuples(st.just("train, cleared by the model"), st.integers(1, 2), st.sampled_from([None, 0.05]),
+              st.sampled_from(["model.zero_grad()", "model.zero_grad(set_to_none=False)", "p.grad = None"])),
     st.tuples(st.just("load ours into torch")),
     st.tuples(st.just("write .data, reload"), st.integers(0, 3)),
     st.tuples(st.just("add a group")),
@@ -172,8 +175,7 @@ def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> No
     kind = op[0]
     if kind == "train":
         _, accum, via_optimizer, clip, set_to_none, poison = op
-        # Offloaded gradients are not on the model: only the optimizer reaches them.
-        via_optimizer = via_optimizer or offload_gradients
+        # (Offloaded gradients too: torchtune's scale_grads and torch's clip reach them as .grad.)
         _train(ref_model, ref, False, step, accum, via_optimizer, clip, set_to_none, poison)
         _train(model, opt, True, step, accum, via_optimizer, clip, set_to_none, poison)
     elif kind == "train overlapped":  # our recipes' schedule: the update starts during backward
@@ -195,6 +197,20 @@ def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> No
         opt.step()
         opt.zero_grad()
         opt.finish_step()  # (a step that returned early: the weights are read next)
+    elif kind == "train, cleared by the model":  # Hugging Face's Trainer's way
+        _, accum, clip, clear = op
+        for m, o in twins:
+            for micro in range(accum):
+                x, y = batch(step, micro, "cpu", next(m.parameters()).dtype)
+                (((m(x) - y) ** 2).mean() / accum).backward()
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+            o.step()
+            if clear == "p.grad = None":
+                for p in m.parameters():
+                    p.grad = None
+            else:
+                m.zero_grad(set_to_none=clear == "model.zero_grad()")
     elif kind == "zero_grad kept, step":
         for o in (ref, opt):
             o.zero_grad(set_to_none=False)
@@ -212,10 +228,8 @@ def _apply(op, twins, step: int, offload_gradients: bool, streaming: bool) -> No
             m[0].requires_grad_(True)
             o.add_param_group({"params": list(m[0].parameters()), "lr": LR / 2})
     elif kind == "GradScaler step":
-        if not ref.param_groups[0]["fused"] or offload_gradients:
-            # (torch's AdamW built fused then set otherwise refuses GradScaler's scale; with
-            # offloaded gradients ours refuses it: test_optimizer.py)
-            return
+        if not ref.param_groups[0]["fused"]:
+            return  # (torch's AdamW built fused then set otherwise refuses GradScaler's scale)
         if op[1] != 256.0 and not streaming:
             # The host update has GradScaler unscale the gradients (x 1/scale) where torch's
             # fused kernel divides by the scale (README): the same bits for its scales, powers
