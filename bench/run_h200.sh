@@ -55,6 +55,10 @@
 #   bash bench/run_h200.sh stock8b8bit # issue 42: torchtune's stock 8B full config, no cap: as shipped
 #                                   # (PagedAdamW8bit) against the drop-in with optimizer_cls AdamW8bit, and the
 #                                   # drop-in as it is (a 16 GB random checkpoint is written first; about 5 minutes)
+#   bash bench/run_h200.sh hf8b     # HF's Trainer, Llama-3.1-8B full, 4k tokens, max_grad_norm 1.0: its adamw_torch_fused
+#                                   # and paged_adamw_8bit uncapped against ours (AdamW8bit and exact, offloaded
+#                                   # gradients) under a 24 GiB cap, the bus beside them (transformers and
+#                                   # accelerate as installed there; at most 9.5 minutes, 135 s per run)
 #   bash bench/run_h200.sh fits     # issue 42: the largest torchtune model each mode fully fine-tunes under a
 #                                   # 24 and a 48 GiB cap with a 64 GiB host budget (bench/what_fits.py; about
 #                                   # 7 minutes, at most 9: --time-budget; the 24 GiB column comes first)
@@ -221,6 +225,12 @@ for stage in "$@"; do
         python3 bench/bench_stock.py --job full --model 8b --steps 5 --warmup 2 --timeout 150 \
             --runs stock_as_shipped,ours_stock_adamw8bit,ours_stock \
             --out "bench/results/$(date +%F)-stock-8b-full-adamw8bit.json" | tee "$OUT/stock_8b_full_adamw8bit.txt" ;;
+    hf8b)
+        # HF's Trainer as its users run it (HF's default clipping), the bus measured in the same call
+        python3 bench/bus.py --gib 4 --json "$OUT/bus.json" | tee "$OUT/bus.txt"
+        python3 bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 --max-grad-norm 1.0 --steps 4 \
+            --warmup 2 --timeout 135 --runs adamw_torch_fused,paged_adamw_8bit,ours_8bit_grads:24,ours_grads:24 \
+            --out "bench/results/$(date +%F)-hf-trainer-llama3_1_8b-4096-clip1.json" | tee "$OUT/hf_8b.txt" ;;
     fits)
         python3 bench/what_fits.py --caps 24,48 --time-budget 540 \
             --out "bench/results/$(date +%F)-fits-24-48.json" 2>"$OUT/fits_24_48.log" | tee "$OUT/fits_24_48.md" ;;
