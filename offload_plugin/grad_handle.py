@@ -8,10 +8,12 @@ clipped): silently not torch's result. So ``.grad`` becomes an :class:`Offloaded
 tensor with the gradient's shape, dtype and device but no device memory, whose operations
 (``zero_``, ``mul_``, norms, GradScaler's unscale, reading it) run on the host copy.
 
-What the model's ``.grad`` says is the truth, as in torch. The engine reads it (see
-``GradientPath.follow``): still this handle, the host gradient stands and the next
-backward adds to it; ``None`` (``model.zero_grad()``, ``p.grad = None``), the host gradient
-is gone; another tensor (``p.grad = g``), that tensor is the gradient.
+What the model's ``.grad`` says is the truth, as in torch. The engine reads it before each
+backward adds a gradient and at each step (``HostEngine.follow_grad``): still this handle,
+the host gradient stands and the next backward adds to it; ``None`` (``model.zero_grad()``,
+``p.grad = None``), the host gradient is gone; another tensor (``p.grad = g``), that tensor
+is the gradient. DTensor (FSDP2) parameters get no handle: a DTensor's ``.grad`` must be
+one, so theirs stays ``None`` after offloading, as before.
 """
 
 from __future__ import annotations
