@@ -12,8 +12,9 @@ from offload_plugin.grad_handle import OffloadedGrad
 from offload_plugin.host_memory import HostMemoryError
 from offload_plugin.host_worker import HostUpdateError
 from offload_plugin.optimizer import CPUOffloadOptimizer
+from offload_plugin.optimizer_in_backward import OptimizerInBackward
 
-__all__ = ["CPUOffloadOptimizer", "AdamW8bit", "CompactAdamW", "HostMemoryError", "HostUpdateError", "OffloadedGrad",
+__all__ = ["CPUOffloadOptimizer", "AdamW8bit", "CompactAdamW", "HostMemoryError", "HostUpdateError", "OffloadedGrad", "OptimizerInBackward",
            "convert_torchao_state_dict"]
 
 # Like torchtune's own logger: show our INFO lines (what was kept, where the update runs)

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from offload_plugin.scaling import multiplier
 
-__all__ = ["OffloadedGrad", "is_handle_of"]
+__all__ = ["OffloadedGrad", "is_handle_of", "is_unit_factor", "is_whole_2_norm"]
 
 aten = torch.ops.aten
 _ALIASES = (aten.detach.default, aten.alias.default)  # .data, .detach(): the same gradient
@@ -84,12 +84,12 @@ class OffloadedGrad(torch.Tensor):
         if func in _ALIASES:
             slot, engine = args[0]._owner()
             return cls(args[0], slot, engine)
-        if func is aten.linalg_vector_norm.default and _is_whole_2_norm(args, kwargs):
+        if func is aten.linalg_vector_norm.default and is_whole_2_norm(args, kwargs):
             slot, engine = args[0]._owner()
             norm = engine.device_norm(slot)
             if norm is not None:  # torch's clip would have taken this one, on the device
                 return norm
-        if func in (aten.mul_.Tensor, aten.mul_.Scalar) and _is_one(args[1]):
+        if func in (aten.mul_.Tensor, aten.mul_.Scalar) and is_unit_factor(args[1]):
             # clip_grad_norm_ multiplies by its clamped coefficient even when it is 1.0 (HF
             # logs the norm through a clip at inf): x * 1.0 is x, without a pass over host memory.
             return args[0]
@@ -136,14 +136,14 @@ def _written(func, args, kwargs) -> set[int]:
     return written
 
 
-def _is_one(factor: Any) -> bool:
+def is_unit_factor(factor: Any) -> bool:
     """Whether a multiplier is exactly 1 (a number or a 0-dim tensor)."""
     if isinstance(factor, torch.Tensor):
-        return factor.dim() == 0 and not isinstance(factor, OffloadedGrad) and bool(factor == 1)
+        return factor.dim() == 0 and type(factor) is torch.Tensor and bool(factor == 1)
     return isinstance(factor, (int, float)) and factor == 1
 
 
-def _is_whole_2_norm(args, kwargs) -> bool:
+def is_whole_2_norm(args, kwargs) -> bool:
     """linalg_vector_norm(handle) as clip_grad_norm_ asks it: the 2-norm of all of it."""
     bound = dict(zip(("x", "ord", "dim", "keepdim"), args), **kwargs)
     return (float(bound.get("ord", 2)) == 2.0 and bound.get("dim") is None

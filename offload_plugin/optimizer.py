@@ -378,6 +378,13 @@ class CPUOffloadOptimizer(Optimizer):
             ValueError: it does not match this optimizer, or holds a malformed or
                 non-finite entry; the message says what differs.
         """
+        self.checked_load(state_dict, torchao_minimal_size, allow_nonfinite=allow_nonfinite)()
+
+    def checked_load(self, state_dict: dict[str, Any], torchao_minimal_size: int = TORCHAO_MINIMAL_SIZE,
+                     *, allow_nonfinite: bool = False) -> Callable[[], None]:
+        """:meth:`load_state_dict` in two parts: check ``state_dict`` now (raising as it
+        raises, with nothing changed) and return the call that loads it. Several optimizers
+        loading one checkpoint (OptimizerInBackward's) check every part before any loads."""
         engine = self._engine
         engine.finish()
         self._engine.check_groups()
@@ -385,13 +392,16 @@ class CPUOffloadOptimizer(Optimizer):
         hooks = [partial(hook, self) for hook in self._optimizer_load_state_dict_pre_hooks.values()]
         hooks.append(partial(self._kept.drop_frozen, self.param_groups))  # (torch's, over model.parameters())
         plan = checkpoint.prepare_load(engine, state_dict, torchao_minimal_size, allow_nonfinite, hooks)
-        checkpoint.apply_state(engine, plan)
-        host_memory.allocated(self)  # (the loaded state is allocated)
-        engine.forget_state()
-        # The one place where loading writes master weights and device weights.
-        checkpoint.write_weights(engine, plan)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+
+        def load() -> None:
+            checkpoint.apply_state(engine, plan)
+            host_memory.allocated(self)  # (the loaded state is allocated)
+            engine.forget_state()
+            # The one place where loading writes master weights and device weights.
+            checkpoint.write_weights(engine, plan)
+            for hook in self._optimizer_load_state_dict_post_hooks.values():
+                hook(self)
+        return load
 
     # ------------------------------------------------------------------ reporting
     def host_memory_bytes(self) -> int:

@@ -54,7 +54,7 @@ class _StopAfter(TrainerCallback):
 
 
 def train_hf(output_dir, optimizer=None, *, dtype=torch.float32, sft=False, stop_after=None,
-             resume=None, model_seed=0):
+             resume=None, model_seed=0, **overrides):
     """One HF ``Trainer`` (or TRL ``SFTTrainer``, with SFTConfig's defaults: gradient
     checkpointing and bf16 autocast) run of STEPS steps, logging every step.
 
@@ -68,7 +68,7 @@ def train_hf(output_dir, optimizer=None, *, dtype=torch.float32, sft=False, stop
         learning_rate=LR, weight_decay=WEIGHT_DECAY, max_grad_norm=MAX_GRAD_NORM,
         lr_scheduler_type="cosine", warmup_steps=WARMUP, logging_steps=1,
         save_strategy="steps" if stop_after else "no", save_steps=stop_after or 1,
-    )
+    ) | overrides
     ids = token_ids().tolist()
     if sft:
         from trl import SFTConfig, SFTTrainer

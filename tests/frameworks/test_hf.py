@@ -102,6 +102,31 @@ def test_trainer_optimizer_takes_the_arguments_hyperparameters(sft, tmp_path):
     assert_same_training(reference, result)
 
 
+@pytest.mark.parametrize("accum", [1, 2])
+def test_trainer_in_backward_matches_its_own_optimizer_unclipped(accum, tmp_path):
+    """trainer_optimizer(args, in_backward=True) with max_grad_norm=0: each parameter updated
+    during backward (the last of each accumulation window), HF's default optimizer's bits,
+    the logged gradient norms included; a resume from HF's checkpoint continues them."""
+    unclipped = dict(max_grad_norm=0.0, gradient_accumulation_steps=accum)
+    ours = lambda args: trainer_optimizer(args, in_backward=True)  # noqa: E731
+    _, ref_params, ref_logs = train_hf(tmp_path / "ref", **unclipped)
+    trainer, params, logs = train_hf(tmp_path / "ours", ours, **unclipped)
+    assert type(trainer.optimizer.optimizer).__name__ == "OptimizerInBackward"
+    assert logs == ref_logs and all(log["grad_norm"] > 0 for log in logs)
+    assert all(torch.equal(p, params[name]) for name, p in ref_params.items())
+    train_hf(tmp_path / "resumed", ours, stop_after=3, **unclipped)
+    _, params, logs = train_hf(tmp_path / "resumed", ours, resume=tmp_path / "resumed" / "checkpoint-3",
+                               model_seed=1, **unclipped)
+    assert logs == ref_logs and all(torch.equal(p, params[name]) for name, p in ref_params.items())
+
+
+def test_trainer_in_backward_refuses_clipping(tmp_path):
+    """in_backward=True with HF's default clipping is refused when the optimizer is asked
+    for, saying to set max_grad_norm=0."""
+    with pytest.raises(ValueError, match="max_grad_norm=0"):
+        train_hf(tmp_path / "ours", lambda args: trainer_optimizer(args, in_backward=True))
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_sft_trainer_matches_its_own_optimizer(mode, tmp_path):
     """TRL SFTTrainer (gradient checkpointing, bf16 autocast) with (CPUOffloadOptimizer, kwargs): its default's bits."""
