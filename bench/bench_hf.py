@@ -3,13 +3,16 @@
 A random-init Llama (bf16, built on the GPU, no download) trains on random tokens under
 ``transformers.Trainer`` as a user would run it: gradient checkpointing, 2048-token
 sequences, HF's own loss, ``max_grad_norm`` as given (HF's default is 1.0; with 0 HF still
-takes the norm to log it). Ours comes in through ``optimizer_cls_and_kwargs``, HF's own
-optimizers through ``optim``. Each run is a fresh subprocess (``--single``), its GPU capped
+takes the norm to log it). Ours comes in through ``optimizer_cls_and_kwargs``
+(``integrations.hf.trainer_optimizer``), HF's own optimizers through ``optim``. Each run is a fresh subprocess (``--single``), its GPU capped
 with ``torch.cuda.set_per_process_memory_fraction`` where asked.
 
     # on the GPU machine, from the repository root (transformers and accelerate installed)
     python bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 --cap-gib 24 \\
         --runs ours_grads:24,ours_8bit_grads:24,paged_adamw_8bit,adamw_torch_fused --max-grad-norm 1.0
+    # without clipping: ours updating during backward (OptimizerInBackward)
+    python bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 --max-grad-norm 0 \\
+        --runs adamw_torch_fused,ours_8bit_inbwd:24,ours_inbwd:24,ours_8bit_grads:24
     # smoke test on a CPU machine
     python bench/bench_hf.py --model tiny --device cpu --tokens-per-step 256 --seq-len 128 \\
         --steps 2 --warmup 1 --runs ours,ours_grads,adamw_torch_fused
@@ -54,6 +57,9 @@ RUNS = {
     "ours_grads": (None, {"offload_gradients": True}),
     "ours_8bit": (None, {"optimizer_cls": "offload_plugin.AdamW8bit"}),
     "ours_8bit_grads": (None, {"optimizer_cls": "offload_plugin.AdamW8bit", "offload_gradients": True}),
+    # each parameter updated during backward (OptimizerInBackward): needs --max-grad-norm 0
+    "ours_inbwd": (None, {"in_backward": True}),
+    "ours_8bit_inbwd": (None, {"in_backward": True, "optimizer_cls": "offload_plugin.AdamW8bit"}),
 }
 
 
@@ -120,12 +126,13 @@ def run_single(args) -> dict:
     if optim is not None:
         kwargs["optim"] = optim
     timer = _Timer(device)
+    training_args = TrainingArguments(**kwargs)
     trainer_kwargs = {}
-    if ours is not None:
-        from offload_plugin import CPUOffloadOptimizer
+    if ours is not None:  # in one argument, as docs/frameworks.md has it
+        from offload_plugin.integrations.hf import trainer_optimizer
 
-        trainer_kwargs["optimizer_cls_and_kwargs"] = (CPUOffloadOptimizer, dict(ours))
-    trainer = Trainer(model=model, args=TrainingArguments(**kwargs), train_dataset=Tokens(),
+        trainer_kwargs["optimizer_cls_and_kwargs"] = trainer_optimizer(training_args, **ours)
+    trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(),
                       callbacks=[timer.callback], **trainer_kwargs)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

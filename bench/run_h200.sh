@@ -59,6 +59,8 @@
 #                                   # and paged_adamw_8bit uncapped against ours (AdamW8bit and exact, offloaded
 #                                   # gradients) under a 24 GiB cap, the bus beside them (transformers and
 #                                   # accelerate as installed there; at most 9.5 minutes, 135 s per run)
+#   bash bench/run_h200.sh hf8bnoclip  # the same with max_grad_norm 0: ours updating during backward
+#                                   # (OptimizerInBackward; AdamW8bit and exact) and with offloaded gradients
 #   bash bench/run_h200.sh fits     # issue 42: the largest torchtune model each mode fully fine-tunes under a
 #                                   # 24 and a 48 GiB cap with a 64 GiB host budget (bench/what_fits.py; about
 #                                   # 7 minutes, at most 9: --time-budget; the 24 GiB column comes first)
@@ -231,6 +233,11 @@ for stage in "$@"; do
         python3 bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 --max-grad-norm 1.0 --steps 4 \
             --warmup 2 --timeout 135 --runs adamw_torch_fused,paged_adamw_8bit,ours_8bit_grads:24,ours_grads:24 \
             --out "bench/results/$(date +%F)-hf-trainer-llama3_1_8b-4096-clip1.json" | tee "$OUT/hf_8b.txt" ;;
+    hf8bnoclip)
+        python3 bench/bus.py --gib 4 --json "$OUT/bus.json" | tee "$OUT/bus.txt"
+        python3 bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 --max-grad-norm 0 --steps 4 \
+            --warmup 2 --timeout 135 --runs adamw_torch_fused,ours_8bit_inbwd:24,ours_inbwd:24,ours_8bit_grads:24 \
+            --out "bench/results/$(date +%F)-hf-trainer-llama3_1_8b-4096-noclip.json" | tee "$OUT/hf_8b_noclip.txt" ;;
     fits)
         python3 bench/what_fits.py --caps 24,48 --time-budget 540 \
             --out "bench/results/$(date +%F)-fits-24-48.json" 2>"$OUT/fits_24_48.log" | tee "$OUT/fits_24_48.md" ;;

@@ -763,11 +763,12 @@ def test_bench_hf_tiny_cpu_smoke(tmp_path):
     out = tmp_path / "hf.json"
     cmd = [sys.executable, str(REPO / "bench" / "bench_hf.py"), "--model", "tiny", "--device", "cpu",
            "--tokens-per-step", "256", "--seq-len", "128", "--steps", "2", "--warmup", "1",
-           "--runs", "ours,ours_grads,adamw_torch_fused", "--tmp", str(tmp_path / "runs"), "--out", str(out)]
+           "--max-grad-norm", "0", "--runs", "ours,ours_grads,ours_inbwd,adamw_torch_fused",
+           "--tmp", str(tmp_path / "runs"), "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     results = {r["run"]: r for r in json.loads(out.read_text())["results"]}
-    assert list(results) == ["ours", "ours_grads", "adamw_torch_fused"]
+    assert list(results) == ["ours", "ours_grads", "ours_inbwd", "adamw_torch_fused"]
     for name, r in results.items():
         assert "error" not in r, f"{name}: {r['error']}"
         assert len(r["step_s"]) == 2 and r["tokens_per_s"] > 0 and r["peak_host_gib"] > 0, name
