@@ -8,7 +8,7 @@ takes the norm to log it). Ours comes in through ``optimizer_cls_and_kwargs``
 with ``torch.cuda.set_per_process_memory_fraction`` where asked.
 
     # on the GPU machine, from the repository root (transformers and accelerate installed)
-    python bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 --cap-gib 24 \\
+    python bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 \\
         --runs ours_grads:24,ours_8bit_grads:24,paged_adamw_8bit,adamw_torch_fused --max-grad-norm 1.0
     # without clipping: ours updating during backward (OptimizerInBackward)
     python bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 --max-grad-norm 0 \\
