@@ -211,7 +211,7 @@ def main() -> None:
         print(json.dumps({k: v for k, v in results[-1].items() if k != "step_s"}), flush=True)
     print(table(results, args.base))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"kind": "hf", "args": vars(args), "results": results}, indent=1))
 
 
 if __name__ == "__main__":

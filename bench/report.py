@@ -1,6 +1,7 @@
 """Turn every bench/results/*.json into markdown: bench_train.py's and bench_fsdp2.py's runs,
 then the runs of one table (bench_train.py --label) side by side as the results page shows
-them, bench_stock.py's (torchtune's stock recipes), qlora_ab.py's and what_fits.py's.
+them, bench_stock.py's (torchtune's stock recipes), qlora_ab.py's, bench_hf.py's (HF's Trainer)
+and what_fits.py's.
 
     python bench/report.py                # prints markdown for the README
     python bench/report.py --results DIR  # another folder
@@ -14,6 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_fsdp2  # noqa: E402
+import bench_hf  # noqa: E402
 import bench_stock  # noqa: E402
 import bus  # noqa: E402
 import what_fits  # noqa: E402
@@ -36,7 +38,8 @@ def main() -> None:
     parser.add_argument("--only", default="*.json", help="a file name pattern (default every JSON)")
     args = parser.parse_args()
     saved = {p.name: json.loads(p.read_text()) for p in sorted(args.results.glob(args.only))}
-    runs = [dict(run, _file=name) for name, run in saved.items() if "args" in run]  # training runs (not bench/pinning.py's)
+    # bench_train.py's and bench_fsdp2.py's training runs (not bench/pinning.py's, nor bench_hf.py's)
+    runs = [dict(run, _file=name) for name, run in saved.items() if "args" in run and run.get("kind") != "hf"]
     print("## Benchmarks\n")
     print("Random-init torchtune models in bf16, random tokens, torchtune's chunked "
           "cross-entropy; step time is the synchronized mean after warm-up steps, peak GPU "
@@ -64,6 +67,7 @@ def main() -> None:
               + (f"; {run['machine']}" if run.get("machine") else "") + "</sub>\n")
     print_labelled_tables(runs)
     print_stock_runs(saved)
+    print_hf_runs(saved)
     print_fits(saved)
 
 
@@ -127,6 +131,20 @@ def print_labelled_tables(runs: list) -> None:
               f" ({group[0].get('gpu') or a['device']}, {date})\n")
         print(labelled_table(group) + "\n")
         print("Files: " + ", ".join(f"`{r['_file']}`" for r in group) + "\n")
+
+
+def print_hf_runs(saved: dict) -> None:
+    """bench_hf.py's tables, one per file."""
+    hf = {name: run for name, run in saved.items() if isinstance(run, dict) and run.get("kind") == "hf"}
+    if not hf:
+        return
+    print("## Hugging Face's Trainer\n")
+    print("Produced by `bench/bench_hf.py`: a random-init Llama under `transformers.Trainer` "
+          "with gradient checkpointing, HF's own optimizers against ours, each in a process of its own.\n")
+    for name, run in hf.items():
+        a = run["args"]
+        print(f"### {name}: {a['model']}, {a['tokens_per_step']} tokens per step, max_grad_norm {a['max_grad_norm']}\n")
+        print(bench_hf.table(run["results"], a["base"]) + "\n")
 
 
 def print_fits(saved: dict) -> None:
