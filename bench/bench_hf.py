@@ -36,6 +36,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 MARKER = "BENCH_HF_RESULT "
+PROGRESS = "BENCH_HF_PROGRESS "
 GIB = 2**30
 LR = 1e-5
 
@@ -73,6 +74,10 @@ class _Timer:
         outer = self
 
         class Callback(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                # (the optimizer exists now: HF builds it as training starts)
+                outer.progress("optimizer built", time.perf_counter() - outer.begun)
+
             def on_step_begin(self, args, state, control, **kw):
                 _sync(device)
                 outer.start = time.perf_counter()
@@ -80,10 +85,16 @@ class _Timer:
             def on_step_end(self, args, state, control, **kw):
                 _sync(device)
                 outer.steps.append(time.perf_counter() - outer.start)
+                outer.progress(f"step {len(outer.steps)}", outer.steps[-1])
 
         self.steps: list[float] = []
-        self.start = 0.0
+        self.start = self.begun = time.perf_counter()
         self.callback = Callback()
+
+    @staticmethod
+    def progress(what: str, seconds: float) -> None:
+        """A line the parent keeps if this run times out: where the time went."""
+        print(f"{PROGRESS}{what}: {seconds:.2f} s", flush=True)
 
 
 def _sync(device):
@@ -99,8 +110,10 @@ def run_single(args) -> dict:
     optim, ours = RUNS[args.single]
     torch.manual_seed(0)
     config = LlamaConfig(**MODELS[args.model])
+    begun = time.perf_counter()
     with device:
         model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    _Timer.progress("model built", time.perf_counter() - begun)
     if args.cap_gib and device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(args.cap_gib * GIB / total, torch.cuda.current_device())
@@ -156,8 +169,11 @@ def run_child(args, name: str, cap) -> dict:
            "--tmp", args.tmp] + (["--cap-gib", str(cap)] if cap else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"run": name, "cap_gib": cap, "error": f"did not finish in {args.timeout} s (--timeout)"}
+    except subprocess.TimeoutExpired as stopped:
+        out = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else (stopped.stdout or "")
+        done = [line[len(PROGRESS):] for line in out.splitlines() if line.startswith(PROGRESS)]
+        return {"run": name, "cap_gib": cap, "progress": done,
+                "error": f"did not finish in {args.timeout} s (--timeout); done: {'; '.join(done) or 'nothing'}"}
     for line in proc.stdout.splitlines():
         if line.startswith(MARKER):
             return json.loads(line[len(MARKER):])

@@ -773,3 +773,17 @@ def test_bench_hf_tiny_cpu_smoke(tmp_path):
         assert "error" not in r, f"{name}: {r['error']}"
         assert len(r["step_s"]) == 2 and r["tokens_per_s"] > 0 and r["peak_host_gib"] > 0, name
     assert "| adamw_torch_fused |  | " in proc.stdout and "1.00x" in proc.stdout
+
+
+def test_bench_hf_keeps_what_a_run_that_timed_out_had_done(tmp_path):
+    """A run past --timeout is recorded as failed with the phases it finished (its progress
+    lines), not lost with the parent: the 8B runs that outlast their time say where it went."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "hf.json"
+    cmd = [sys.executable, str(REPO / "bench" / "bench_hf.py"), "--model", "tiny", "--device", "cpu",
+           "--tokens-per-step", "256", "--seq-len", "128", "--steps", "2", "--warmup", "1", "--timeout", "2",
+           "--runs", "ours_grads", "--tmp", str(tmp_path / "runs"), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["error"].startswith("did not finish in 2 s") and isinstance(result["progress"], list)
