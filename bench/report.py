@@ -133,31 +133,36 @@ def print_labelled_tables(runs: list) -> None:
         print("Files: " + ", ".join(f"`{r['_file']}`" for r in group) + "\n")
 
 
+def print_kind(saved: dict, kind: str, heading: str, intro: str, section) -> None:
+    """One table per file of the runs whose ``kind`` is ``kind``: ``section(name, run)``
+    gives each one's title and table."""
+    runs = {name: run for name, run in saved.items() if isinstance(run, dict) and run.get("kind") == kind}
+    if not runs:
+        return
+    print(f"## {heading}\n")
+    print(intro + "\n")
+    for name, run in runs.items():
+        title, table = section(name, run)
+        print(f"### {title}\n")
+        print(table + "\n")
+
+
 def print_hf_runs(saved: dict) -> None:
     """bench_hf.py's tables, one per file."""
-    hf = {name: run for name, run in saved.items() if isinstance(run, dict) and run.get("kind") == "hf"}
-    if not hf:
-        return
-    print("## Hugging Face's Trainer\n")
-    print("Produced by `bench/bench_hf.py`: a random-init Llama under `transformers.Trainer` "
-          "with gradient checkpointing, HF's own optimizers against ours, each in a process of its own.\n")
-    for name, run in hf.items():
-        a = run["args"]
-        print(f"### {name}: {a['model']}, {a['tokens_per_step']} tokens per step, max_grad_norm {a['max_grad_norm']}\n")
-        print(bench_hf.table(run["results"], a["base"]) + "\n")
+    print_kind(saved, "hf", "Hugging Face's Trainer",
+               "Produced by `bench/bench_hf.py`: a random-init Llama under `transformers.Trainer` with "
+               "gradient checkpointing, HF's own optimizers against ours, each in a process of its own.",
+               lambda name, run: (f"{name}: {run['args']['model']}, {run['args']['tokens_per_step']} tokens per "
+                                  f"step, max_grad_norm {run['args']['max_grad_norm']}",
+                                  bench_hf.table(run["results"], run["args"]["base"])))
 
 
 def print_fits(saved: dict) -> None:
     """what_fits.py's tables, one per file."""
-    fits = {name: run for name, run in saved.items() if isinstance(run, dict) and run.get("kind") == "fits"}
-    if not fits:
-        return
-    print("## What fits where\n")
-    print("Produced by `bench/what_fits.py`: per GPU cap and mode, the largest torchtune model (random init, "
-          "bf16) that trains under the cap with its host peak RSS within the host budget.\n")
-    for name, run in fits.items():
-        print(f"### {name}: {what_fits.describe(run)}\n")
-        print(what_fits.markdown(run) + "\n")
+    print_kind(saved, "fits", "What fits where",
+               "Produced by `bench/what_fits.py`: per GPU cap and mode, the largest torchtune model (random "
+               "init, bf16) that trains under the cap with its host peak RSS within the host budget.",
+               lambda name, run: (f"{name}: {what_fits.describe(run)}", what_fits.markdown(run)))
 
 
 def print_stock_runs(saved: dict) -> None:

@@ -152,8 +152,7 @@ class HostEngine(Engine):
             for slot in slots:
                 self._hooks.append(slot.param.register_hook(_BeforeGrad(self, slot.param)))
                 self._hooks.append(slot.param.register_post_accumulate_grad_hook(_GradHook(self)))
-                if isinstance(slot.param, DTensor):
-                    # (a DTensor's .grad must be one: its gradient leaves None behind)
+                if not self._holds_handle(slot.param):
                     self.scaling.hidden_grads = True
         return slots
 
@@ -200,11 +199,14 @@ class HostEngine(Engine):
         return values.pop() if values else float(grad_scale)
 
     # ------------------------------------------------------------------ gradients
+    def _holds_handle(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s offloaded gradient leaves a handle on ``.grad`` (grad_handle):
+        not a DTensor's, whose ``.grad`` must be a DTensor (it leaves None)."""
+        return self.options.offload_gradients and not isinstance(param, DTensor)
+
     def _left_behind(self, slot: HostSlot) -> Optional[torch.Tensor]:
-        """What an offloaded gradient leaves as ``.grad``: its handle (grad_handle)."""
-        if isinstance(slot.param, DTensor):
-            return None
-        return OffloadedGrad(slot.param, slot, self)
+        """What an offloaded gradient leaves as ``.grad``."""
+        return OffloadedGrad(slot.param, slot, self) if self._holds_handle(slot.param) else None
 
     def host_grad(self, slot: HostSlot, writes: bool) -> torch.Tensor:
         """An OffloadedGrad's host gradient, complete; before a write, nothing may still
@@ -259,8 +261,8 @@ class HostEngine(Engine):
         the device with accumulate_on_device, which adds to the host gradient.
         """
         grad = slot.param.grad
-        if not self.options.offload_gradients or isinstance(slot.param, DTensor):
-            return grad is not None  # (a DTensor's offloaded gradient leaves None: no handle)
+        if not self._holds_handle(slot.param):
+            return grad is not None  # (None there is an offloaded gradient, or none)
         if is_handle_of(grad, slot):
             return False
         part = slot.device_part() if slot.device_part is not None else None
@@ -280,7 +282,7 @@ class HostEngine(Engine):
             return
         early_forward.on_backward(self, param)  # (a step that returned early reads the host gradients)
         slot = self.slots[param]
-        if isinstance(param, DTensor) and slot.has_grad and self._stepped and not self._warned_carried:
+        if not self._holds_handle(param) and slot.has_grad and self._stepped and not self._warned_carried:
             self._warned_carried = True
             log.warning(
                 "\nCPUOffloadOptimizer(offload_gradients=True): a backward after step() adds to "
@@ -339,7 +341,7 @@ class HostEngine(Engine):
         norms = self.scaling.clip_norms if plan is None else None
         before = partial(norms.on_device, slot) if norms is not None else None
         slot.device_norm = None
-        if before is None and not slot.has_grad and param.device.type != "cpu" and not isinstance(param, DTensor):
+        if before is None and not slot.has_grad and param.device.type != "cpu" and self._holds_handle(param):
             # For a clip over model.parameters() through the handle: the norm torch's
             # would take of the device gradient (on the host it would round otherwise).
             before = partial(self._take_device_norm, slot)

@@ -121,6 +121,7 @@ class OptimizerInBackward(Optimizer):
         self.accumulation_steps = accumulation_steps
         self._options = {k: v for k, v in kwargs.items() if k in OPTIONS}
         self._inner: dict[torch.Tensor, CPUOffloadOptimizer] = {}
+        self._group: dict[torch.Tensor, dict] = {}  # (each update reads its group: no search per parameter)
         self._hooks: list = []
         self._task, self._backwards = None, 0
         quiet = _log.level
@@ -142,7 +143,7 @@ class OptimizerInBackward(Optimizer):
         super().add_param_group({**param_group, "params": [p for p in params if p.requires_grad]})
         group = self.param_groups[-1]
         for p in group["params"]:
-            self._inner[p] = CPUOffloadOptimizer([p], **self._options, **_hyperparameters(group))
+            self._inner[p], self._group[p] = CPUOffloadOptimizer([p], **self._options, **_hyperparameters(group)), group
             self._hooks.append(p.register_hook(_Hook(self, p, "_before_grad")))  # (before autograd adds it)
             self._hooks.append(p.register_post_accumulate_grad_hook(_Hook(self, p, "_update")))
 
@@ -164,16 +165,13 @@ class OptimizerInBackward(Optimizer):
         if not self._last_backward():
             return
         inner = self._inner[p]
-        inner.param_groups[0].update(_hyperparameters(self._group_of(p)))
+        inner.param_groups[0].update(_hyperparameters(self._group[p]))
         grad = p.grad
         norm = (torch._foreach_norm([grad], 2.0)[0] if grad.device.type != "cpu"
                 else torch.linalg.vector_norm(grad, 2))  # (what torch's clip takes on each device)
         inner.step()
         inner.zero_grad(set_to_none=True)
         p.grad = AppliedGrad(grad, norm)
-
-    def _group_of(self, p: torch.Tensor) -> dict:
-        return next(g for g in self.param_groups if any(q is p for q in g["params"]))
 
     # ------------------------------------------------------------------ the loop's calls
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
