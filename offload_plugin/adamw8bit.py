@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import sys
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -50,7 +51,7 @@ from offload_plugin.block_layout import BlockLayout
 from offload_plugin.inner import InnerOptimizer
 
 __all__ = ["AdamW8bit", "BLOCK", "MIN_8BIT_SIZE", "dynamic_map", "quantize_", "dequantize",
-           "coefficients", "round_weight", "update_8bit_", "update_32bit_"]
+           "coefficients", "round_weight", "update_8bit_", "update_32bit_", "check_live_entry"]
 
 BLOCK = 256  # elements per absmax (bitsandbytes' block-wise optimizers since 0.43)
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller parameters keep fp32 moments
@@ -94,16 +95,21 @@ def quantize_(values: torch.Tensor, signed: bool, codes: torch.Tensor, absmax: t
     elements) into ``codes`` (uint8) and ``absmax`` (fp32, one per block), as bitsandbytes'
     CPU backend does: each block's largest magnitude, then each value times its reciprocal,
     clamped to [-1, 1], to the nearest of the table's 65,536 points, and that point's code.
-    A block of zeros has absmax 0 and codes 0."""
+    A block of zeros has absmax 0 and codes 0. Non-finite values as there too: a NaN takes
+    no part in its block's absmax and gets code 0, so that it costs its own element alone;
+    an inf makes its block's absmax inf, so that the block's finite values quantize as 0
+    and the inf itself (inf times 0) as a NaN."""
     n = values.numel()
     blocks = -(-n // BLOCK)
     padded = values if n == blocks * BLOCK else torch.nn.functional.pad(values, (0, blocks * BLOCK - n))
     padded = padded.view(blocks, BLOCK)
-    top = padded.abs().amax(dim=1)
+    magnitude = padded.abs()
+    top = magnitude.masked_fill_(magnitude.isnan(), 0.0).amax(dim=1)
     inverse = torch.where(top == 0, 0.0, 1.0 / top)  # (a zero block: codes 0 below, no NaN here)
     scaled = (padded * inverse.unsqueeze(1)).clamp_(-1.0, 1.0)
+    scaled.masked_fill_(scaled.isnan(), -1.0)  # (NaN, or inf times 0: the first point, code 0)
     index = scaled.add_(1.0).mul_(0.5).mul_(float(_LUT_SIZE - 1)).add_(0.5).to(torch.int64)
-    out = _lut(signed)[index.clamp_(0, _LUT_SIZE - 1)]  # (clamped: a NaN would index anywhere)
+    out = _lut(signed)[index.clamp_(0, _LUT_SIZE - 1)]
     out[top == 0] = 0
     codes.copy_(out.view(-1)[:n])
     absmax.copy_(top)
@@ -221,9 +227,17 @@ def update_32bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor
 
 # --- the optimizer -----------------------------------------------------------------------------
 
-# bitsandbytes' constructor arguments, with the one value this update follows (None: any).
-_BNB_ARGS = {"amsgrad": False, "optim_bits": 8, "args": None, "percentile_clipping": 100,
+# bitsandbytes' constructor arguments, with the value (or values) this update follows (None:
+# any). bitsandbytes 0.50's AdamW8bit takes optim_bits=32 alone (its default) and makes the
+# 8-bit update whatever it says; older releases took 8 as well.
+_BNB_ARGS = {"amsgrad": False, "optim_bits": (32, 8), "args": None, "percentile_clipping": 100,
              "block_wise": True, "is_paged": None, "fused": None, "foreach": None}
+# The fields of bitsandbytes' ``args`` object: 0.50 reads the first four (in place of the
+# keyword arguments), with the values this update follows (None: any); older releases read
+# the last two, which this update follows at their defaults only.
+_ARGS_FIELDS = {"optim_bits": (8, 32), "min_8bit_size": None, "max_unorm": 0.0, "skip_zeros": False,
+                "percentile_clipping": 100, "block_wise": True}
+_ARGS_READ = ("optim_bits", "min_8bit_size", "max_unorm", "skip_zeros")
 # bitsandbytes' group keys for other optimizers of its family, and the value meaning AdamW.
 _BNB_GROUP_KEYS = {"alpha": 0.0, "t_alpha": None, "t_beta3": None}
 # torch's Adam(W) group keys, and the value meaning this update (a torch checkpoint's entries
@@ -245,10 +259,18 @@ class AdamW8bit(Optimizer, InnerOptimizer):
             to nearest (:func:`round_weight`), so that updates smaller than half a bf16 step
             add up in expectation instead of being lost. **Not bitsandbytes' bits** (what it
             changes in training: docs/performance.md). Default False: bitsandbytes' update.
-        amsgrad, optim_bits, args, percentile_clipping, block_wise, is_paged, fused,
-            foreach: bitsandbytes' and torch's arguments, taken so that configs written for
-            them work; a value asking for another update (amsgrad=True, 32-bit state,
-            percentile clipping, ...) is refused. Paging has nothing to do on the host.
+        amsgrad, optim_bits, percentile_clipping, block_wise, is_paged, fused, foreach:
+            bitsandbytes' and torch's arguments, taken so that configs written for them
+            work; a value asking for another update (amsgrad=True, percentile clipping, ...)
+            is refused. ``optim_bits`` is 32 (bitsandbytes' default) or 8: either way the
+            8-bit update, as bitsandbytes' AdamW8bit makes it. Paging has nothing to do on
+            the host.
+        args: bitsandbytes' configuration object, followed as bitsandbytes 0.50 follows it:
+            its ``min_8bit_size`` replaces the keyword's, and ``optim_bits=32`` keeps every
+            parameter's state in fp32 (bitsandbytes' 32-bit update). It must have
+            ``optim_bits`` (8 or 32), ``min_8bit_size``, ``max_unorm=0.0`` and
+            ``skip_zeros=False`` (and, if present, ``percentile_clipping=100`` and
+            ``block_wise=True``); other values are refused.
     """
 
     # Its contract with CPUOffloadOptimizer (offload_plugin.inner says what each means).
@@ -263,9 +285,11 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         for key, value in bnb_args.items():
             if key not in _BNB_ARGS:
                 raise TypeError(f"AdamW8bit got an unexpected keyword argument {key!r}")
-            if _BNB_ARGS[key] is not None and value != _BNB_ARGS[key]:
-                raise ValueError(f"AdamW8bit makes bitsandbytes' AdamW8bit update, which has {key}="
-                                 f"{_BNB_ARGS[key]!r}; got {key}={value!r:.40}. Leave it out.")
+            if _BNB_ARGS[key] is not None and not _means(value, _BNB_ARGS[key]):
+                raise ValueError(f"AdamW8bit makes bitsandbytes' AdamW8bit update, which takes {key}="
+                                 f"{_either(_BNB_ARGS[key])}; got {key}={value!r:.40}. Leave it out.")
+        if bnb_args.get("args") is not None:
+            min_8bit_size = _min_8bit_size_of(bnb_args["args"])
         for key, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             if not (isinstance(value, (int, float)) and not isinstance(value, bool)):
                 raise ValueError(f"Invalid {key}: {value!r:.40} (a finite number >= 0)")
@@ -299,9 +323,13 @@ class AdamW8bit(Optimizer, InnerOptimizer):
 
     def init_state(self, p: torch.Tensor, group: dict, empty: Callable = torch.empty) -> dict:
         """``p``'s state entry, made (zeros) if it has none, in tensors from
-        ``empty(shape, dtype=...)`` (the streamed update makes them in page-locked memory)."""
+        ``empty(shape, dtype=...)`` (the streamed update makes them in page-locked memory).
+        A checked entry (check_live_entry) is kept, its count made the fp32 tensor the update
+        advances."""
         entry = self.state[p]
         if entry:
+            if not isinstance(entry["step"], torch.Tensor):  # (a checked count, set as bitsandbytes keeps it)
+                entry["step"] = torch.tensor(float(entry["step"]), dtype=torch.float32)
             return entry
         entry["step"] = torch.zeros((), dtype=torch.float32)
         if self._blocks.eight_bit_when_new(p, group.get("min_8bit_size", MIN_8BIT_SIZE)):
@@ -320,7 +348,7 @@ class AdamW8bit(Optimizer, InnerOptimizer):
     def step(self, closure=None, *, grad_scale: Optional[float] = None) -> Optional[Any]:
         """One step. ``grad_scale``: each gradient times it first, with the bits of
         ``p.grad.mul_(grad_scale)`` before the step, inside the update's pass."""
-        loss = host_update.checked_step(self, closure, _check_tensor, _check_live_entry)
+        loss = host_update.checked_step(self, closure, _check_tensor, check_live_entry)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -338,8 +366,14 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         return loss
 
     def check_group(self, index: int, group: dict) -> None:
-        """Refuse settings edited into param_groups[index] that the constructor refuses."""
+        """Refuse settings edited into param_groups[index] that the constructor refuses, or
+        that load_state_dict refuses (_group_refusal): every path's step() calls it before
+        it updates anything."""
         host_update.check_settings(index, group, flags=("stochastic_rounding",))
+        problem = _group_refusal(group)
+        if problem is not None:
+            raise ValueError(f"param_groups[{index}] {problem}: set it back (or delete the key) before the next "
+                             "step(). Nothing was updated.")
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's, with the group's settings checked as the constructor checks them."""
@@ -364,7 +398,10 @@ class AdamW8bit(Optimizer, InnerOptimizer):
     def saved_entry(self, p: torch.Tensor, entry: dict, weight: torch.Tensor) -> dict:
         """``p``'s entry in bitsandbytes' layout (a new dict). A shard's stays flat and
         without maps, each tensor shaped by the parameter's rows, as a sharded checkpoint
-        needs (bitsandbytes cannot read those anyway)."""
+        needs (bitsandbytes cannot read those anyway). An empty entry (``optimizer.state[p]``
+        read before ``p`` stepped) stays empty, as in bitsandbytes' and torch's state dicts."""
+        if not entry:
+            return {}
         tensors = {k: v for k, v in entry.items() if k != "step"}
         if self._blocks.is_shard(p):
             return dict(tensors, step=entry["step"].clone())
@@ -388,17 +425,12 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         """Group ``i`` as this optimizer takes it: bitsandbytes' keys of other updates must
         mean AdamW (and go), its own settings are checked by the constructor and finite."""
         hyper = {k: v for k, v in saved.items() if k != "params"}
-        refused = {**_BNB_GROUP_KEYS, **{k: v for k, v in _BNB_ARGS.items() if v is not None}, **_TORCH_GROUP_KEYS}
-        for key, want in refused.items():
-            if key in hyper:
-                value = hyper.pop(key)
-                if key == "decoupled_weight_decay" and _means(hyper.get("weight_decay"), 0.0):
-                    continue  # (without decay, Adam and AdamW are the same update)
-                if not _means(value, want):
-                    raise ValueError(
-                        f"parameter group {i} of the state dict has {key}={value!r:.40}, which bitsandbytes' "
-                        f"AdamW8bit does not do ({'AdEMAMix' if key in _BNB_GROUP_KEYS else key}): load it "
-                        "into the optimizer that wrote it. Nothing was loaded.")
+        problem = _group_refusal(hyper)
+        if problem is not None:
+            raise ValueError(f"parameter group {i} of the state dict {problem}: load it into the optimizer that "
+                             "wrote it. Nothing was loaded.")
+        for key in _REFUSED_GROUP_KEYS:  # (meaning this update: they go)
+            hyper.pop(key, None)
         # ("fused", "foreach", "is_paged" stay, as in bitsandbytes' groups: torchtitan's
         # checkpointer expects every key it saved back in the next state dict.)
         for key in self.optional_group_keys:
@@ -473,7 +505,57 @@ class AdamW8bit(Optimizer, InnerOptimizer):
         return out
 
 
+# Group keys of other updates, with the value (or values) meaning this one.
+_REFUSED_GROUP_KEYS = {**_BNB_GROUP_KEYS, **{k: v for k, v in _BNB_ARGS.items() if v is not None}, **_TORCH_GROUP_KEYS}
+
+
+def _group_refusal(group: Mapping) -> Optional[str]:
+    """What in a group's keys asks for another update than this one (bitsandbytes'
+    AdEMAMix, torch's maximize, amsgrad, Adam's L2 decay, ...), as the end of a sentence
+    naming the group, or None. load_state_dict refuses such a saved group and step() such
+    an edited one: the same check, so that a run never saves a checkpoint it cannot load."""
+    for key, want in _REFUSED_GROUP_KEYS.items():
+        if key not in group:
+            continue
+        if key == "decoupled_weight_decay" and _means(group.get("weight_decay"), 0.0):
+            continue  # (without decay, Adam and AdamW are the same update)
+        if not _means(group[key], want):
+            return (f"has {key}={group[key]!r:.40}, which bitsandbytes' AdamW8bit does not do "
+                    f"({'AdEMAMix' if key in _BNB_GROUP_KEYS else key})")
+    return None
+
+
+def _min_8bit_size_of(args: Any) -> int:
+    """``min_8bit_size`` as bitsandbytes 0.50 follows its ``args`` object, which replaces the
+    keyword arguments: ``args.min_8bit_size``, or, for ``args.optim_bits=32``, no parameter
+    large enough for 8 bits (its 32-bit Adam on every parameter).
+
+    Raises:
+        ValueError: a field is missing, or asks for what this update does not do.
+    """
+    for key, want in _ARGS_FIELDS.items():
+        if key not in _ARGS_READ and not hasattr(args, key):
+            continue  # (a field older releases read: 0.50 makes its update without it)
+        if not hasattr(args, key):
+            raise ValueError(f"AdamW8bit: args has no {key!r}; bitsandbytes reads {', '.join(_ARGS_READ)} from "
+                             "it (its first step raises without them). Give all four, or leave args out.")
+        value = getattr(args, key)
+        if want is not None and not _means(value, want):
+            raise ValueError(f"AdamW8bit makes bitsandbytes' AdamW8bit update, which follows args.{key}="
+                             f"{_either(want)} only; got args.{key}={value!r:.40}. Set it so, or leave args out.")
+    # (32 bits: bitsandbytes keeps every parameter's state in fp32, as parameters under
+    # min_8bit_size; a number no parameter reaches says the same here)
+    return args.min_8bit_size if _means(args.optim_bits, 8) else sys.maxsize
+
+
+def _either(want: Any) -> str:
+    return " or ".join(map(repr, want)) if isinstance(want, tuple) else repr(want)
+
+
 def _means(value: Any, want: Any) -> bool:
+    """Whether ``value`` is ``want`` (one of them, for a tuple) as a setting (2 means 2.0)."""
+    if isinstance(want, tuple):
+        return any(_means(value, w) for w in want)
     try:
         return value is None if want is None else bool(value == want)
     except (TypeError, ValueError, RuntimeError):
@@ -488,15 +570,24 @@ def _finite_nonnegative(where: str, key: str, t: torch.Tensor, nonnegative: bool
         raise ValueError(f"{where} ({key!r}) holds negative values; it cannot. {_FIX}")
 
 
-def _check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
+def check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
     """``optimizer.state[p]`` as a step needs it (edited by hand, an entry of another shape
-    or dtype would be read past its end or as something else)."""
+    or dtype would be read past its end or as something else). Every path checks every
+    entry with it before it updates any parameter: ``AdamW8bit.step`` (direct, and the host
+    update) and the streamed format (adamw8bit_streamed).
+
+    Raises:
+        ValueError: naming the key, what it holds and what it needs.
+    """
     where = f"optimizer.state[p] of a parameter of shape {tuple(p.shape)}"
     step = entry.get("step")
-    if not (isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point()
-            and math.isfinite(float(step)) and float(step) >= 0 and float(step) == int(float(step))):
-        raise ValueError(f"{where}: 'step' is {step!r:.40}; it must be a one-element float tensor holding a "
-                         f"whole count >= 0. {_FIX}")
+    # (a Python int as bitsandbytes counts, or a float tensor as torch's optimizers count;
+    # init_state makes an int the tensor once every entry is checked)
+    count = step if isinstance(step, int) and not isinstance(step, bool) else (
+        float(step) if isinstance(step, torch.Tensor) and step.numel() == 1 and step.is_floating_point() else None)
+    if count is None or not (math.isfinite(count) and 0 <= count <= bnb_state.MAX_STEPS and count == int(count)):
+        raise ValueError(f"{where}: 'step' is {step!r:.40}; it must be a whole count from 0 to "
+                         f"{bnb_state.MAX_STEPS:,} (a Python int, or a one-element float tensor). {_FIX}")
     s1 = entry.get("state1")
     eight = isinstance(s1, torch.Tensor) and s1.dtype == torch.uint8
     n, blocks = p.numel(), -(-p.numel() // BLOCK)

@@ -127,10 +127,18 @@ class AdamW8bitFormat(StateFormat):
         return 2 if param.numel() >= adamw8bit.MIN_8BIT_SIZE else 8  # (and 8 bytes per 256 elements)
 
     def entries(self, inner, slots: list, group_of: list, pin: bool) -> list[dict]:
+        """As the format's, with every entry the user may have edited (a plan is made anew
+        when one was) checked as AdamW8bit.step checks it, all before any changes."""
+        groups = [inner.param_groups[g] for g in group_of]
+        held = [(s.master, inner.state[s.master], g) for s, g in zip(slots, groups) if inner.state.get(s.master)]
+        for p, entry, group in held:
+            adamw8bit.check_live_entry(p, entry, group)
+        for p, _, group in held:
+            inner.init_state(p, group)  # (a Python-int count made the fp32 tensor the update counts in)
         host = self._host_states.get(inner)
         if host is None:
             host = self._host_states[inner] = HostState(pin=pin)
-        return host.ensure(inner, slots, [inner.param_groups[g] for g in group_of])
+        return host.ensure(inner, slots, groups)
 
     def cut(self, slots: list, entries: list, group_of: list, chunk_numel: int) -> list[Unit]:
         """One unit per parameter, or per range of a larger one: ``chunk_numel`` elements

@@ -53,6 +53,9 @@ __all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "fp32
 _CODES = ("exp_avg", "exp_avg_sq")
 _SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
 MIN_8BIT_SIZE = 4096  # bitsandbytes' min_8bit_size: smaller parameters keep fp32 state
+# How a refused setting is named, as torch's AdamW names them ("Invalid learning rate: -1").
+_SETTING_NAMES = {"lr": "learning rate", "eps": "epsilon value", "betas": "beta parameters",
+                  "weight_decay": "weight_decay value"}
 
 
 def _is_fp32_layout(entry: dict) -> bool:
@@ -94,19 +97,17 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         # fused and foreach are taken (and ignored) so that configs written for torch's
         # AdamW (torchtune's QLoRA configs set fused: True) work unchanged: the update is
         # always one native pass.
-        if not 0.0 <= lr:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not 0.0 <= eps:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
-            raise ValueError(f"Invalid beta parameters: {betas}")
-        if not 0.0 <= weight_decay:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-        if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-            raise ValueError(f"min_8bit_size must be a whole number >= 0; got {min_8bit_size!r}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay, master=bool(master),
-                                      min_8bit_size=min_8bit_size))
+        if not isinstance(betas, (str, bytes)) and hasattr(betas, "__iter__"):
+            betas = tuple(betas)  # (a config's list)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, master=bool(master),
+                        min_8bit_size=min_8bit_size)
+        # The one check of these settings: step() (check_group) and load_state_dict (which
+        # builds a probe with them) refuse what it refuses, with its message.
+        problem = host_update.settings_problem(defaults)
+        if problem is not None:
+            key, needs = problem
+            raise ValueError(f"Invalid {_SETTING_NAMES.get(key, key)}: {defaults[key]!r:.60} ({needs})")
+        super().__init__(params, defaults)
         self._setup_tracking()
 
     def check_group(self, index: int, group: dict) -> None:
@@ -321,9 +322,6 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         except (TypeError, ValueError, RuntimeError) as err:
             raise ValueError(f"parameter group {i} of the state dict does not work with CompactAdamW: "
                              f"{type(err).__name__}: {err}") from None
-        for key in ("lr", "betas", "eps", "weight_decay"):
-            if not _finite(own[key]):
-                raise ValueError(f"parameter group {i} of the state dict: {key}={own[key]!r} is not finite.")
         hyper.update({k: own[k] for k in self.defaults})
         return hyper
 
@@ -492,12 +490,6 @@ def _without_foreign_settings(i: int, group: Mapping) -> dict:
                 "Nothing was loaded."
             )
     return hyper
-
-
-def _finite(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):
-        return all(map(_finite, value))
-    return bool(torch.isfinite(torch.as_tensor(value, dtype=torch.float64)).all())
 
 
 def _from_bnb_entry(where: str, entry: Mapping, param: torch.Tensor, group: dict,
