@@ -23,6 +23,7 @@ Prints a markdown table; writes JSON with every run's step times (``--out``).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import resource
@@ -61,6 +62,17 @@ RUNS = {
     # each parameter updated during backward (OptimizerInBackward): needs --max-grad-norm 0
     "ours_inbwd": (None, {"in_backward": True}),
     "ours_8bit_inbwd": (None, {"in_backward": True, "optimizer_cls": "offload_plugin.AdamW8bit"}),
+    # HF's own offload route: DeepSpeed ZeRO-2 with the optimizer (DeepSpeedCPUAdam, fp32 masters and
+    # moments) in host memory, HF's config keys left at "auto" as its docs show
+    "deepspeed_offload": ("deepspeed", None),
+}
+DEEPSPEED = {
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "overlap_comm": True, "contiguous_gradients": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "bf16": {"enabled": "auto"}, "gradient_clipping": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto", "train_batch_size": "auto",
 }
 
 
@@ -82,12 +94,26 @@ class _Timer:
                 _sync(device)
                 outer.start = time.perf_counter()
 
+            # where a step's time goes: forward, backward and HF's clip; optimizer.step()
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                _sync(device)
+                outer.backward_end = time.perf_counter()
+                outer.backward.append(outer.backward_end - outer.start)
+
+            def on_optimizer_step(self, args, state, control, **kw):
+                _sync(device)
+                outer.optimizer_step.append(time.perf_counter() - outer.backward_end)
+
             def on_step_end(self, args, state, control, **kw):
                 _sync(device)
                 outer.steps.append(time.perf_counter() - outer.start)
-                outer.progress(f"step {len(outer.steps)}", outer.steps[-1])
+                split = f" (to optimizer.step {outer.backward[-1]:.2f} s, in it {outer.optimizer_step[-1]:.2f} s)" \
+                    if len(outer.optimizer_step) == len(outer.steps) else ""
+                outer.progress(f"step {len(outer.steps)}{split}", outer.steps[-1])
 
         self.steps: list[float] = []
+        self.backward: list[float] = []  # step begin to HF's optimizer.step(), clip included
+        self.optimizer_step: list[float] = []
         self.start = self.begun = time.perf_counter()
         self.callback = Callback()
 
@@ -103,6 +129,8 @@ def _sync(device):
 
 
 def run_single(args) -> dict:
+    # a run that outlasts its time prints every thread's stack first: where it waits
+    faulthandler.dump_traceback_later(max(args.timeout - 5, 1), exit=True, file=sys.stdout)
     from torch.utils.data import Dataset
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
@@ -136,7 +164,12 @@ def run_single(args) -> dict:
         save_strategy="no", report_to=[], logging_steps=10**6, dataloader_num_workers=0,
         use_cpu=device.type == "cpu", disable_tqdm=True,
     )
-    if optim is not None:
+    if optim == "deepspeed":
+        for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                               MASTER_PORT="29517").items():
+            os.environ.setdefault(key, value)  # one process: DeepSpeed still wants a process group
+        kwargs.update(deepspeed=DEEPSPEED, bf16=True)
+    elif optim is not None:
         kwargs["optim"] = optim
     timer = _Timer(device)
     training_args = TrainingArguments(**kwargs)
@@ -150,12 +183,15 @@ def run_single(args) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer.train()
+    faulthandler.cancel_dump_traceback_later()
     timed = timer.steps[args.warmup:]
     median = statistics.median(timed)
     return {
         "run": args.single, "model": args.model, "tokens_per_step": args.tokens_per_step,
         "seq_len": args.seq_len, "cap_gib": args.cap_gib, "max_grad_norm": args.max_grad_norm,
-        "step_s": timed, "median_step_s": median, "tokens_per_s": args.tokens_per_step / median,
+        "step_s": timed, "median_step_s": median,
+        "forward_backward_clip_s": timer.backward[args.warmup:],
+        "optimizer_step_s": timer.optimizer_step[args.warmup:], "tokens_per_s": args.tokens_per_step / median,
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
         "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -166,19 +202,28 @@ def run_child(args, name: str, cap) -> dict:
     cmd = [sys.executable, __file__, "--single", name, "--model", args.model, "--device", args.device,
            "--tokens-per-step", str(args.tokens_per_step), "--seq-len", str(args.seq_len),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--max-grad-norm", str(args.max_grad_norm),
-           "--tmp", args.tmp] + (["--cap-gib", str(cap)] if cap else [])
+           "--tmp", args.tmp, "--timeout", str(args.timeout)] + (["--cap-gib", str(cap)] if cap else [])
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as stopped:
         out = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else (stopped.stdout or "")
+        _keep_log(args, name, out)
         done = [line[len(PROGRESS):] for line in out.splitlines() if line.startswith(PROGRESS)]
         return {"run": name, "cap_gib": cap, "progress": done,
                 "error": f"did not finish in {args.timeout} s (--timeout); done: {'; '.join(done) or 'nothing'}"}
     for line in proc.stdout.splitlines():
         if line.startswith(MARKER):
             return json.loads(line[len(MARKER):])
+    _keep_log(args, name, proc.stdout + proc.stderr)
+    done = [line[len(PROGRESS):] for line in proc.stdout.splitlines() if line.startswith(PROGRESS)]
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-12:]
-    return {"run": name, "cap_gib": cap, "error": "\n".join(tail)}
+    return {"run": name, "cap_gib": cap, "progress": done, "error": "\n".join(tail)}
+
+
+def _keep_log(args, name: str, text: str) -> None:
+    """A failed run's whole output (with the stacks of one that timed out) beside --out."""
+    if args.out:
+        Path(f"{args.out}.{name}.log").write_text(text)
 
 
 def table(results: list[dict], base: str) -> str:
