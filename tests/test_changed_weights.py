@@ -218,9 +218,10 @@ def test_a_parameter_converted_after_building_is_refused_with_the_fix(change):
         opt.state_dict()
 
 
-def test_delayed_update_leaves_a_weight_changed_meanwhile_to_the_change():
-    """delayed_update: the pending update of a weight changed before it was copied back
-    does not overwrite the change; the master restarts from it."""
+def test_delayed_update_leaves_a_weight_changed_meanwhile_to_the_change_and_says_so():
+    """delayed_update, as early_forward: the pending update of a weight changed before it was
+    copied back does not overwrite the change (the parameter is the truth); the master
+    restarts from it, and finishing the step raises with the fix, the others updated."""
     model = make_model(dtype=torch.bfloat16)
     opt = CPUOffloadOptimizer(model.parameters(), lr=LR, offload_gradients=True,
                               delayed_update=True)
@@ -232,7 +233,9 @@ def test_delayed_update_leaves_a_weight_changed_meanwhile_to_the_change():
         opt.zero_grad()
     with torch.no_grad():
         model[2].weight.fill_(0.5)
-    opt.finish_step()
+    with pytest.raises(RuntimeError, match=r"1 parameters were changed.*delayed_update.*finish_step"):
+        opt.finish_step()
+    opt.finish_step()  # (done: nothing left to refuse)
     assert bool((model[2].weight == 0.5).all())
     index = [p for p in model.parameters() if p.requires_grad].index(model[2].weight)
     assert bool((opt.state_dict()["state"][index]["master_weight"] == 0.5).all())

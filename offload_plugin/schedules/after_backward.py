@@ -16,7 +16,7 @@ from typing import Optional
 from offload_plugin import grad_checks
 from offload_plugin.updates import StepPlan
 
-__all__ = ["start", "submit_the_rest", "step_on_device", "report_spared"]
+__all__ = ["start", "submit_the_rest", "step_on_device", "report_spared", "refuse_edits_during_update"]
 
 
 def start(engine) -> Optional[StepPlan]:
@@ -93,3 +93,23 @@ def report_spared(engine, plan: StepPlan) -> None:
     skipped = len(plan.nonfinite) + plan.device_nonfinite
     updated = len(plan.submitted) - len(plan.nonfinite) + plan.device_updated
     engine.scaling.report_spared(updated, skipped)
+
+
+def refuse_edits_during_update(engine, edited: list, schedule: str) -> None:
+    """The one rule for weights changed outside the optimizer while a step that returned
+    before its updates ended (``early_forward``, ``delayed_update``) could still write them:
+    the parameter is the truth, so the change stays and the host copies follow it (an update
+    that had not landed is dropped, though its moments advanced), and the user hears of it
+    here, the step otherwise complete."""
+    if not edited:
+        return
+    for slot in edited:
+        engine.adopt_weight(slot)
+    raise RuntimeError(
+        f"CPUOffloadOptimizer: {len(edited)} parameters were changed (in place, or by "
+        f"load_state_dict) after a step that returned early ({schedule}) and before it had "
+        "finished writing the new weights, so the change may have been applied to the old "
+        "weights or overwritten, or the update dropped. Call optimizer.finish_step() before "
+        "changing weights outside the optimizer. The optimizer now follows the weights as "
+        "they are."
+    )

@@ -38,6 +38,9 @@ class Pending:
 
     plan: Optional[StepPlan] = None
     push_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # Slots whose weight was changed outside the optimizer before its update was sent:
+    # the change stayed, the update did not land (finish() says so).
+    overridden: list = dataclasses.field(default_factory=list)
 
 
 def step(engine) -> None:
@@ -141,9 +144,11 @@ def _allow_push(engine, slot: HostSlot) -> None:
 
 def _push(engine, slot: HostSlot) -> None:
     """Copy an updated weight to the device (caller holds the push lock), unless the weight
-    was changed outside the optimizer meanwhile: the change wins, and the next step or
-    state_dict() takes it over (see weight_sync)."""
-    if not engine.weights.changed(slot.order, slot.param):
+    was changed outside the optimizer meanwhile: the change wins, and finish() refuses it
+    (after_backward.refuse_edits_during_update)."""
+    if engine.weights.changed(slot.order, slot.param):
+        engine.pending.overridden.append(slot)
+    else:
         slot.push_event = engine.transfers.to_device([(slot.weight_source(), slot.device_weight())])
         engine.updates.last_push = slot.push_event  # copies complete in issue order
     slot.push_ready = slot.free_to_push = False
@@ -166,4 +171,6 @@ def finish(engine) -> None:
         for slot in engine.slots:
             slot.push_ready = slot.free_to_push = False
         engine.transfers.order_compute_after(engine.updates.last_push)
+    overridden, pending.overridden = pending.overridden, []
+    after_backward.refuse_edits_during_update(engine, overridden, "delayed_update")
     after_backward.report_spared(engine, plan)  # checked in the jobs: reported one step late

@@ -73,21 +73,9 @@ def finish(engine) -> None:
         engine.transfers.order_compute_after(engine.updates.last_push)
         if plan.zero_grad is not None:
             engine.grads.reset(set_to_none=plan.zero_grad)
-    edited = engine.changed_slots()
-    if edited:
-        # Changed while this step was still writing weights: whether each change came
-        # before or after the new weight landed is unknown. The parameter stays the truth
-        # (the host copies follow it), and the user hears of it.
-        for slot in edited:
-            engine.adopt_weight(slot)
-        raise RuntimeError(
-            f"CPUOffloadOptimizer: {len(edited)} parameters were changed (in place, or by "
-            "load_state_dict) after a step that returned early (early_forward) and before "
-            "it had finished writing the new weights, so the change may have been applied "
-            "to the old weights or overwritten. Call optimizer.finish_step() before "
-            "changing weights outside the optimizer. The optimizer now follows the "
-            "weights as they are."
-        )
+    # (changed while this step was still writing weights: whether each change came before
+    # or after the new weight landed is unknown)
+    after_backward.refuse_edits_during_update(engine, engine.changed_slots(), "early_forward")
     after_backward.report_spared(engine, plan)
 
 
