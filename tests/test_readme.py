@@ -379,3 +379,14 @@ def test_quick_lane_and_gpu_marker_select_what_the_readme_says():
                                   "test_stock_recipes", "test_exit", "test_packaging",
                                   "frameworks/test_docs_examples")}
     assert _collected("-m", "gpu") == _collected("-k", "cuda or gpu")
+
+
+def test_tests_readme_maps_every_test_file():
+    """tests/README.md names each test file and helper (so a newcomer finds every behaviour's
+    home), and nothing that is gone."""
+    text = (REPO / "tests" / "README.md").read_text()
+    files = {p.relative_to(REPO / "tests").as_posix() for p in (REPO / "tests").rglob("*.py")
+             if p.name not in ("__init__.py",)}
+    named = set(re.findall(r"`([\w/]+\.py)`", text))
+    assert files - named == set(), "not in tests/README.md"
+    assert named - files == set(), "named in tests/README.md but gone"
