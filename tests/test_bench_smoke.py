@@ -3,6 +3,7 @@ host_update_rate.py and report.py, as the README names them."""
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -787,3 +788,12 @@ def test_bench_hf_keeps_what_a_run_that_timed_out_had_done(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     (result,) = json.loads(out.read_text())["results"]
     assert result["error"].startswith("did not finish in 2 s") and isinstance(result["progress"], list)
+
+
+def test_bench_readme_names_every_script():
+    """bench/README.md says what each benchmark script is for, and names none that is gone."""
+    text = (REPO / "bench" / "README.md").read_text()
+    scripts = {p.name for p in (REPO / "bench").glob("*.py")} | {p.name for p in (REPO / "bench").glob("*.sh")}
+    named = set(re.findall(r"`([\w]+\.(?:py|sh))`", text))
+    assert scripts - named == set(), "not in bench/README.md"
+    assert named - scripts == set(), "named in bench/README.md but gone"
