@@ -46,7 +46,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin import bnb_state, host_update, loading
+from offload_plugin import adamw8bit_native, bnb_state, host_update, loading
 from offload_plugin.block_layout import BlockLayout
 from offload_plugin.inner import InnerOptimizer
 
@@ -185,29 +185,42 @@ def _grad(grad: torch.Tensor, scale: float) -> torch.Tensor:
 @torch.no_grad()
 def update_8bit_(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, absmax1: torch.Tensor,
                  state2: torch.Tensor, absmax2: torch.Tensor, coeffs: tuple, start: int = 0,
-                 numel: Optional[int] = None) -> None:
+                 numel: Optional[int] = None, *, native: bool = True) -> None:
     """One step of bitsandbytes' 8-bit AdamW in place, on flat host tensors (bf16 weight and
     gradient, uint8 codes, fp32 absmax), with torch's CPU kernels in bitsandbytes' order (the
     moments' multiply-adds are fused there: ``add_(alpha=)`` and ``addcmul_``). ``start``
-    and ``numel``: where the tensors lie in their parameter (stochastic rounding's place)."""
+    and ``numel``: where the tensors lie in their parameter (stochastic rounding's place).
+    Rounding to nearest, the native kernel (adamw8bit_native) computes the same bits in one
+    pass where it was verified on this machine (and ``native``); chunks it leaves (a
+    non-finite value) and everything else take torch's kernels."""
+    n, seed = weight.numel(), coeffs[11]
+    k = adamw8bit_native.kernel() if native and seed < 0 else None
+    chunks = (range(0, n, _CHUNK) if k is None else
+              k.step(weight, grad, state1, absmax1, state2, absmax2, coeffs, torch.get_num_threads()))
+    for a in chunks:
+        _update_chunk_8bit(weight, grad, state1, absmax1, state2, absmax2, coeffs, start, numel or n, a)
+
+
+def _update_chunk_8bit(weight: torch.Tensor, grad: torch.Tensor, state1: torch.Tensor, absmax1: torch.Tensor,
+                       state2: torch.Tensor, absmax2: torch.Tensor, coeffs: tuple, start: int, numel: int,
+                       a: int) -> None:
+    """update_8bit_'s torch path on the chunk of ``_CHUNK`` elements from ``a`` on."""
     b1, omb1, b2, omb2, c2, eps, decay, step_size, _, _, scale, seed = coeffs
-    n = weight.numel()
-    for a in range(0, n, _CHUNK):
-        b = min(n, a + _CHUNK)
-        ka, kb = a // BLOCK, -(-b // BLOCK)
-        m = dequantize(state1[a:b], absmax1[ka:kb], True)
-        v = dequantize(state2[a:b], absmax2[ka:kb], False)
-        g = _grad(grad[a:b], scale)
-        m.mul_(b1).add_(g, alpha=omb1)
-        v.mul_(b2).addcmul_(g, g, value=omb2)
-        denom = v.sqrt().div_(c2).add_(eps)
-        p = weight[a:b].float()
-        if decay != 1.0:
-            p.mul_(decay)
-        p.addcdiv_(m, denom, value=step_size)
-        weight[a:b].copy_(round_weight(p, seed, start + a, numel or n))
-        quantize_(m, True, state1[a:b], absmax1[ka:kb])
-        quantize_(v, False, state2[a:b], absmax2[ka:kb])
+    b = min(weight.numel(), a + _CHUNK)
+    ka, kb = a // BLOCK, -(-b // BLOCK)
+    m = dequantize(state1[a:b], absmax1[ka:kb], True)
+    v = dequantize(state2[a:b], absmax2[ka:kb], False)
+    g = _grad(grad[a:b], scale)
+    m.mul_(b1).add_(g, alpha=omb1)
+    v.mul_(b2).addcmul_(g, g, value=omb2)
+    denom = v.sqrt().div_(c2).add_(eps)
+    p = weight[a:b].float()
+    if decay != 1.0:
+        p.mul_(decay)
+    p.addcdiv_(m, denom, value=step_size)
+    weight[a:b].copy_(round_weight(p, seed, start + a, numel))
+    quantize_(m, True, state1[a:b], absmax1[ka:kb])
+    quantize_(v, False, state2[a:b], absmax2[ka:kb])
 
 
 @torch.no_grad()

@@ -61,10 +61,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 import math
 import numbers
-import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +77,6 @@ __all__ = [
     "dequantize", "step_", "reference_step", "from_adamw", "to_adamw", "from_bnb", "kernel",
 ]
 
-log = logging.getLogger(__name__)
 
 BLOCK = 256  # elements per absmax, as bitsandbytes' block-wise optimizers
 _SOURCE = Path(__file__).parent / "csrc" / "adam_compact.cpp"
@@ -547,24 +544,8 @@ def _matches_reference(k: CompactKernel) -> Optional[str]:
 def kernel() -> Optional[CompactKernel]:
     """The verified native kernel, or None (no compiler, build failure, mismatch, or
     ``OFFLOAD_PLUGIN_NATIVE=0``): then step_ runs the reference, with the same bits."""
-    with _lock:
-        if "kernel" in _state:
-            return _state["kernel"]
-        result, reason = None, None
-        if os.environ.get("OFFLOAD_PLUGIN_NATIVE", "1") == "0":
-            reason = "OFFLOAD_PLUGIN_NATIVE=0"
-        else:
-            try:
-                candidate = CompactKernel(ctypes.CDLL(str(native_adam._build(_SOURCE))))
-                reason = _matches_reference(candidate)
-                result = candidate if reason is None else None
-            except (RuntimeError, OSError) as err:
-                reason = str(err)
-        if reason:
-            log.info("offload_plugin: native compact update unavailable (%s); using its torch "
-                     "reference (same results, much slower).", reason)
-        _state["kernel"], _state["reason"] = result, reason
-        return result
+    return native_adam.load_verified(_state, _lock, _SOURCE, CompactKernel, _matches_reference,
+                                     "native compact update")
 
 
 # --- conversions ------------------------------------------------------------------------------

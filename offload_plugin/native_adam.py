@@ -32,7 +32,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -106,6 +106,34 @@ def _build(source: Path = _SOURCE) -> Path:
                 raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-500:]}")
         os.replace(lib, target)  # atomic: concurrent builds never load a partial file
     return target
+
+
+def load_verified(state: dict, lock: threading.Lock, source: Path, make: Callable, check: Callable,
+                  what: str):
+    """``make(library built from source)`` once ``check`` of it returns None (no difference
+    from its torch reference), cached in ``state`` (``"kernel"`` and ``"reason"``) under
+    ``lock``; else None, with the reason logged (no compiler, build failure, mismatch, or
+    ``OFFLOAD_PLUGIN_NATIVE=0``). For a second kernel that follows this module's pattern."""
+    if "kernel" in state:  # (the common case, without the lock)
+        return state["kernel"]
+    with lock:
+        if "kernel" in state:
+            return state["kernel"]
+        result, reason = None, None
+        if os.environ.get("OFFLOAD_PLUGIN_NATIVE", "1") == "0":
+            reason = "OFFLOAD_PLUGIN_NATIVE=0"
+        else:
+            try:
+                candidate = make(ctypes.CDLL(str(_build(source))))
+                reason = check(candidate)
+                result = candidate if reason is None else None
+            except (RuntimeError, OSError) as err:
+                reason = str(err)
+        if reason:
+            log.info("offload_plugin: %s unavailable (%s); using its torch path (same results, "
+                     "much slower).", what, reason)
+        state["kernel"], state["reason"] = result, reason
+        return result
 
 
 def _cpu_id() -> bytes:
