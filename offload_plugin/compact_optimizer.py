@@ -48,7 +48,8 @@ from offload_plugin.block_layout import BlockLayout
 from offload_plugin.inner import InnerOptimizer
 from offload_plugin.weight_sync import WeightTracker, version
 
-__all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "fp32_update", "weight_digest"]
+__all__ = ["CompactAdamW", "to_adamw_state_dict", "from_adamw_state_dict", "fp32_update", "check_live_entry",
+           "weight_digest"]
 
 _CODES = ("exp_avg", "exp_avg_sq")
 _SCALES = ("exp_avg_absmax", "exp_avg_sq_absmax")
@@ -111,8 +112,15 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         self._setup_tracking()
 
     def check_group(self, index: int, group: dict) -> None:
-        """Refuse settings edited into param_groups[index] that the constructor refuses."""
+        """Refuse settings edited into param_groups[index] that the constructor refuses, or
+        that load_state_dict refuses (_FOREIGN_SETTINGS): every path's step() calls it
+        before it updates anything."""
         host_update.check_settings(index, group, flags=("master",))
+        key = _foreign_setting(group)
+        if key is not None:
+            raise ValueError(f"param_groups[{index}] has {key}={group[key]!r:.40}, which CompactAdamW's update does "
+                             f"not do: {_REFUSED[key]}. Set it back (or delete the key) before the next step(). "
+                             "Nothing was updated.")
 
     def _setup_tracking(self) -> None:
         """The per-parameter records beside ``state`` (keyed by the tensors, as ``state`` is,
@@ -162,7 +170,7 @@ class CompactAdamW(Optimizer, InnerOptimizer):
         pass: the same bits as ``p.grad.mul_(grad_scale)`` (torchtune's scale_grads) before
         the step, without a pass of its own (CPUOffloadOptimizer applies
         ``overlap_next_step``'s scale this way)."""
-        loss = host_update.checked_step(self, closure, _check_tensor, _check_live_entry)
+        loss = host_update.checked_step(self, closure, _check_tensor, check_live_entry)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -474,22 +482,29 @@ def _says(value: Any, want: Any) -> bool:
         return False
 
 
+def _foreign_setting(group: Mapping) -> Optional[str]:
+    """The first of _FOREIGN_SETTINGS that ``group`` sets to another update than this one,
+    or None: load_state_dict refuses such a saved group and step() such an edited one (the
+    same check, so that a run never saves a checkpoint it cannot load)."""
+    for key, want in _FOREIGN_SETTINGS.items():
+        if key not in group:
+            continue
+        if key == "decoupled_weight_decay" and _says(group.get("weight_decay"), 0.0):
+            continue  # without decay, Adam and AdamW are the same update
+        if not _says(group[key], want):
+            return key
+    return None
+
+
 def _without_foreign_settings(i: int, group: Mapping) -> dict:
     """Group ``i`` of a state dict without _FOREIGN_SETTINGS, each checked first."""
-    hyper = dict(group)
-    for key, want in _FOREIGN_SETTINGS.items():
-        if key not in hyper:
-            continue
-        value = hyper.pop(key)
-        if key == "decoupled_weight_decay" and _says(hyper.get("weight_decay"), 0.0):
-            continue  # without decay, Adam and AdamW are the same update
-        if not _says(value, want):
-            raise ValueError(
-                f"parameter group {i} of the state dict has {key}={value!r:.40}, which CompactAdamW's "
-                f"update does not do: {_REFUSED[key]} (param_groups[{i}][{key!r}] in the state dict). "
-                "Nothing was loaded."
-            )
-    return hyper
+    key = _foreign_setting(group)
+    if key is not None:
+        raise ValueError(
+            f"parameter group {i} of the state dict has {key}={group[key]!r:.40}, which CompactAdamW's "
+            f"update does not do: {_REFUSED[key]} (param_groups[{i}][{key!r}] in the state dict). "
+            "Nothing was loaded.")
+    return {k: v for k, v in group.items() if k not in _FOREIGN_SETTINGS}
 
 
 def _from_bnb_entry(where: str, entry: Mapping, param: torch.Tensor, group: dict,
@@ -567,7 +582,7 @@ def fp32_update(weight: torch.Tensor, remainder: Optional[torch.Tensor], grad: t
         remainder.copy_(rest)
 
 
-def _check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
+def check_live_entry(p: torch.Tensor, entry: dict, group: dict) -> None:
     """``optimizer.state[p]`` as a step needs it. The kernels walk raw pointers: a state
     tensor of another size assigned by hand read and wrote past its end (heap corruption)."""
     n, blocks = p.numel(), -(-p.numel() // compact_adam.BLOCK)

@@ -36,7 +36,7 @@ import torch
 
 from offload_plugin import adamw, compact_adam
 from offload_plugin.compact_adam import BLOCK
-from offload_plugin.compact_optimizer import fp32_update
+from offload_plugin.compact_optimizer import check_live_entry, fp32_update
 from offload_plugin.host_buffers import HostSlot, page_locked_block
 from offload_plugin.state_formats import StateFormat
 
@@ -231,10 +231,17 @@ class CompactFormat(StateFormat):
         return 4  # (remainder 2, codes 1 + 1, the block scales 8 per 256)
 
     def entries(self, inner, slots: list, group_of: list, pin: bool) -> list[dict]:
+        """As the format's, with every entry the user may have edited checked as
+        CompactAdamW.step checks it, all before any changes (issue 55: an entry edited by hand
+        to another shape or dtype reached the kernel's raw pointers unchecked)."""
+        groups = [inner.param_groups[g] for g in group_of]
+        for slot, group in zip(slots, groups):
+            if inner.state.get(slot.master):
+                check_live_entry(slot.master, inner.state[slot.master], group)
         host = self._host_states.get(inner)
         if host is None:
             host = self._host_states[inner] = HostState(pin=pin)
-        return host.ensure(inner, slots, [inner.param_groups[g] for g in group_of])
+        return host.ensure(inner, slots, groups)
 
     def cut(self, slots: list, entries: list, group_of: list, chunk_numel: int) -> list[CompactUnit]:
         """One unit per parameter, or per range of a larger one: ``chunk_numel`` elements in

@@ -29,7 +29,7 @@ from offload_plugin.adamw_moments import adam_state
 from offload_plugin.host_buffers import HostSlot, back_to_back
 from offload_plugin.inner import contract
 
-__all__ = ["uses_fused_adam", "check_hyperparameters", "settings_problem", "check_settings", "update_slots",
+__all__ = ["uses_fused_adam", "check_fused_flags", "check_hyperparameters", "settings_problem", "check_settings", "update_slots",
            "forget_batches"]
 
 # 2 Mi elements: the fp32 gradient temporary (8 MiB) and the chunk of master weight read
@@ -76,6 +76,17 @@ def checked_step(optimizer, closure, check_tensor, check_entry):
                 if optimizer.state.get(p):
                     check_entry(p, optimizer.state[p], group)
     return loss
+
+
+def check_fused_flags(index: int, group: dict) -> None:
+    """torch's Adam(W) refuses ``fused`` and ``foreach`` both True (at its step, and in a
+    checkpoint our loader reads): a group edited so between steps is refused before any
+    update, as its own checkpoint would be."""
+    if group.get("fused") and group.get("foreach"):
+        raise ValueError(
+            f"param_groups[{index}] has fused=True and foreach=True, which torch's AdamW "
+            "refuses together: set foreach back to False (or None) before the next step(). "
+            "Nothing was updated.")
 
 
 def check_hyperparameters(index: int, group: dict) -> None:

@@ -50,7 +50,7 @@ from offload_plugin import inner, state_formats
 from offload_plugin.engine import Engine
 from offload_plugin.gradients import check_dense
 from offload_plugin.host_buffers import HostSlot
-from offload_plugin.host_update import check_hyperparameters, forget_batches
+from offload_plugin.host_update import check_fused_flags, check_hyperparameters, forget_batches
 from offload_plugin.options import STREAMED, Options, check_amp_scaler, engine_for
 from offload_plugin.state_formats import ALIGN
 from offload_plugin.weight_sync import WeightTracker, version
@@ -428,6 +428,8 @@ class StreamedEngine(Engine):
         own_check = inner.contract(type(self.inner)).hook(self.inner, "check_group")
         for index, group in enumerate(groups):
             check_hyperparameters(index, group)
+            if isinstance(self.inner, torch.optim.Adam):  # (the adamw format: torch's own rules)
+                check_fused_flags(index, group)
             if own_check is not None:
                 own_check(index, group)
         amp_scale = self.amp_scale

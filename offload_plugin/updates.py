@@ -96,6 +96,7 @@ class Updates:
         own_check = contract(type(host)).hook(host, "check_group")
         for index, values in enumerate(hyper):
             if host_update.uses_fused_adam(host, values):
+                host_update.check_fused_flags(index, values)
                 host_update.check_hyperparameters(index, values)
             elif own_check is not None:
                 own_check(index, values)
