@@ -41,7 +41,7 @@ bigram runs (tiny Llama, 300 steps, two seeds) the loss curve's mean distance fr
 AdamW's was 0.0008 with the remainder (as bitsandbytes' AdamW8bit on fp32 masters),
 0.0008-0.0009 with stochastically rounded bf16 weights and 0.08 with plain bf16 weights; at
 lr 3e-4, 0.0021-0.0024 against 0.0024-0.0026 and 0.25; the exact master also makes a resume
-and the conversions to and from torch's AdamW exact (docs/performance.md#compact). The
+and the conversions to and from torch's AdamW exact (docs/formats.md#compact). The
 remainder costs 2 bytes per parameter.
 
 Where the update's time goes (one thread, data in cache): on a 16-core Xeon of the H200

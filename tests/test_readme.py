@@ -268,7 +268,7 @@ def test_config_table_lists_every_demo_config():
         assert re.search(rf"^\|.*`{re.escape(path.name)}`", README, flags=re.M), path.name
 
 
-@pytest.mark.parametrize("page,limit", [("README.md", 250), ("docs/performance.md", 360)])
+@pytest.mark.parametrize("page,limit", [("README.md", 250), ("docs/performance.md", 300)])
 def test_pages_keep_to_their_length(page, limit):
     assert len((REPO / page).read_text().splitlines()) <= limit
 
