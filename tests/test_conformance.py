@@ -88,13 +88,15 @@ def run(model, opt, steps, start=0, skip=()):
         opt.zero_grad()
 
 
-def assert_same_run(model, opt, twin_model, twin_opt):
-    """Weights and state dicts bit for bit (tensors by dtype, shape and bits)."""
+def assert_same_run(model, opt, twin_model, twin_opt, groups=True):
+    """Weights and state dicts bit for bit (tensors by dtype, shape and bits); ``groups``:
+    the param groups too (not across classes, whose groups carry keys of their own)."""
     for name, p, q in zip(dict(model.named_parameters()), model.parameters(), twin_model.parameters()):
         assert same(p.detach(), q.detach()), f"weight {name}"
     ours, theirs = opt.state_dict(), twin_opt.state_dict()
     assert same(ours["state"], theirs["state"])
-    assert same(ours["param_groups"], theirs["param_groups"])
+    if groups:
+        assert same(ours["param_groups"], theirs["param_groups"])
 
 
 def twins(fmt, path, monkeypatch):
@@ -245,3 +247,47 @@ def test_a_weight_written_between_steps_is_what_the_next_step_updates(fmt, path,
     for m, o in ((model, opt), (ref_model, ref)):
         run(m, o, 2, start=2)
     assert_same_run(model, opt, ref_model, ref)
+
+
+# ---------------------------------------------------------------------------- 7. the reference's checkpoint
+@pytest.mark.parametrize("fmt, path", CASES)
+def test_the_references_checkpoint_loads_and_continues_its_run(fmt, path, monkeypatch):
+    """The format's interop the other way round from check 6: the reference (torch's fused
+    AdamW, bitsandbytes' AdamW8bit) trains 2 steps; its state dict loads into ours on this
+    path, and both go on 2 more steps with the same bits."""
+    ref_model = make_model(fmt)
+    ref = FORMATS[fmt]["reference"](list(ref_model.parameters()))
+    run(ref_model, ref, 2)
+    model = copy.deepcopy(ref_model)
+    opt = build(fmt, path, model, monkeypatch)
+    opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    for m, o in ((model, opt), (ref_model, ref)):
+        run(m, o, 2, start=2)
+    assert_same_run(model, opt, ref_model, ref, groups=False)
+
+
+# ---------------------------------------------------------------------------- 8. copies
+@pytest.mark.parametrize("fmt, path", CASES)
+def test_a_copy_is_refused_or_independent(fmt, path, monkeypatch):
+    """copy.deepcopy: the offload optimizer refuses it (TypeError, nothing changed: its host
+    buffers and worker are not copyable; save its state_dict()), as docs/options.md says; a
+    format's class used directly copies as torch's optimizers do, into an optimizer whose
+    steps leave the original alone."""
+    model = make_model(fmt)
+    opt = build(fmt, path, model, monkeypatch)
+    run(model, opt, 1)
+    if path != "direct":
+        before = snapshot(opt)
+        with pytest.raises(TypeError):
+            copy.deepcopy(opt)
+        assert_unchanged(before, snapshot(opt))
+        return
+    model_copy, opt_copy = copy.deepcopy((model, opt))
+    before = snapshot(opt)
+    run(model_copy, opt_copy, 1, start=1)
+    assert_unchanged(before, snapshot(opt))
+    twin = copy.deepcopy(model)
+    twin_opt = FORMATS[fmt]["direct"](list(twin.parameters()), **KW)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    run(twin, twin_opt, 1, start=1)
+    assert_same_run(model_copy, opt_copy, twin, twin_opt)
