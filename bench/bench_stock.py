@@ -138,10 +138,10 @@ RUNS["lora"] = dict(RUNS["qlora"])  # the same runs with bf16 base weights inste
 # one would run, to compare the two on one machine.
 RUN_ENV = {"ours_stock_host_update": {"OFFLOAD_PLUGIN_STREAMED": "0"},
            # Under optimizer_in_bwd the hooks wait once this many MiB of gradients wait for
-           # the bus (streamed.IN_FLIGHT_BYTES, 1024 by default): a larger bound.
+           # the bus (streamed.config.in_flight_bytes, 1024 by default): a larger bound.
            "ours_stock_in_flight_4g": {"OFFLOAD_PLUGIN_IN_FLIGHT_MIB": "4096"},
            # Steps queued in backward sent to the GPU in batches of 4 M elements (an earlier
-           # default) or 128 M instead of 32 M (streamed.FLUSH_NUMEL).
+           # default) or 128 M instead of 32 M (streamed.config.flush_numel).
            "ours_stock_flush_4m": {"OFFLOAD_PLUGIN_FLUSH_NUMEL": str(1 << 22)},
            "ours_stock_flush_128m": {"OFFLOAD_PLUGIN_FLUSH_NUMEL": str(1 << 27)}}
 LAUNCH = (  # tune in this process, so that its peak RSS is the recipe's

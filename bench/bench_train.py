@@ -171,7 +171,7 @@ def _host_update(make):
     def build(*args):
         from offload_plugin import streamed
 
-        streamed.ENABLED = False  # (each optimizer runs in a process of its own)
+        streamed.config.enabled = False  # (each optimizer runs in a process of its own)
         return make(*args)
     return build
 
@@ -434,7 +434,7 @@ def run_single(args, name):
     if args.cpu_streamed:  # (smoke tests: the streamed engine's code on the host, as tests/ run it)
         from offload_plugin import streamed
 
-        streamed._ON_CPU = True
+        streamed.config.on_cpu = True
     if dev == "cuda":
         res["device_name"] = torch.cuda.get_device_name()
     model = build_model(args)

@@ -42,7 +42,7 @@ def bandwidth(gib: float = 4.0, chunk: Optional[int] = None) -> dict:
 
     if not torch.cuda.is_available():
         raise RuntimeError("the copy bandwidth is measured on a CUDA device")
-    chunk = chunk or streamed.STAGE_NUMEL
+    chunk = chunk or streamed.config.stage_numel
     numel = int(gib * 2**30) // 4  # two bf16 buffers: 4 bytes per element each way
     got = copies(numel, chunk)
     both = got["both"]["GB/s each way"]
@@ -60,7 +60,7 @@ def series(gib: float, chunk: Optional[int], count: int) -> list:
 
     out = []
     for _ in range(count):
-        got = copies(int(gib * 2**30) // 4, chunk or streamed.STAGE_NUMEL, tries=1, only=("both",))
+        got = copies(int(gib * 2**30) // 4, chunk or streamed.config.stage_numel, tries=1, only=("both",))
         out.append(got["both"]["GB/s each way"])
     return out
 

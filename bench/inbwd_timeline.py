@@ -42,17 +42,17 @@ RUNS = {
     "gpu_adamw": ("gpu", {}),
     "default": ({}, {}),
     "adamw8bit": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {}),
-    "adamw8bit_flush128m": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"FLUSH_NUMEL": 1 << 27}),
-    "adamw8bit_inflight2g": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"IN_FLIGHT_BYTES": 2 * GIB}),
-    "adamw8bit_inflight4g": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"IN_FLIGHT_BYTES": 4 * GIB}),
-    "default_inflight4g": ({}, {"IN_FLIGHT_BYTES": 4 * GIB}),
+    "adamw8bit_flush128m": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"flush_numel": 1 << 27}),
+    "adamw8bit_inflight2g": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"in_flight_bytes": 2 * GIB}),
+    "adamw8bit_inflight4g": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"in_flight_bytes": 4 * GIB}),
+    "default_inflight4g": ({}, {"in_flight_bytes": 4 * GIB}),
     "adamw8bit_uncapped": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"uncapped": True}),
-    "adamw8bit_flush64m": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"FLUSH_NUMEL": 1 << 26}),
+    "adamw8bit_flush64m": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"flush_numel": 1 << 26}),
     "adamw8bit_scale8": (dict(optimizer_cls="offload_plugin.AdamW8bit"), {"stage_scale": 8}),
     "adamw8bit_scale8_flush64m": (dict(optimizer_cls="offload_plugin.AdamW8bit"),
-                                  {"stage_scale": 8, "FLUSH_NUMEL": 1 << 26}),
+                                  {"stage_scale": 8, "flush_numel": 1 << 26}),
     "adamw8bit_scale8_inflight2g": (dict(optimizer_cls="offload_plugin.AdamW8bit"),
-                                    {"stage_scale": 8, "IN_FLIGHT_BYTES": 2 * GIB}),
+                                    {"stage_scale": 8, "in_flight_bytes": 2 * GIB}),
     "compact": (dict(optimizer_cls="offload_plugin.CompactAdamW"), {}),
 }
 
@@ -183,9 +183,9 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
     scale = settings.pop("stage_scale", None)  # (AdamW8bit's units: StateFormat.stage_scale)
     if scale is not None:
         adamw8bit_streamed.FORMAT.stage_scale = scale
-    saved = {k: getattr(streamed, k) for k in settings}
+    saved = {k: getattr(streamed.config, k) for k in settings}
     for k, v in settings.items():
-        setattr(streamed, k, v)
+        setattr(streamed.config, k, v)
     total = torch.cuda.get_device_properties(0).total_memory
     fraction = 1.0 if (cap_gib is None or kwargs == "gpu" or uncapped) else min(1.0, cap_gib * GIB / total)
     torch.cuda.set_per_process_memory_fraction(fraction)
@@ -293,7 +293,7 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
         for h in handles:
             h.remove()
         for k, v in saved.items():
-            setattr(streamed, k, v)
+            setattr(streamed.config, k, v)
         if scale is not None:
             del adamw8bit_streamed.FORMAT.stage_scale
         if warps:

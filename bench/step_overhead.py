@@ -77,7 +77,7 @@ def main() -> None:
     }.items():
         if args.only is not None and name != args.only:
             continue
-        streamed.ENABLED = name != "ours_host_update"
+        streamed.config.enabled = name != "ours_host_update"
         params = adapters(device, args.rank)
         results[name] = time_steps(params, make(params), args.steps, device, args.cold) * 1e3
     if args.profile:

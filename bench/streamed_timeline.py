@@ -139,11 +139,11 @@ def step(in_bwd: bool) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--chunk", type=int, default=streamed.STAGE_NUMEL)
+    p.add_argument("--chunk", type=int, default=streamed.config.stage_numel)
     p.add_argument("--numel", type=int, default=1_235_814_400)
     p.add_argument("--only", choices=["copies", "lora", "step"], default=None)
     args = p.parse_args()
-    streamed.STAGE_NUMEL = args.chunk
+    streamed.config.stage_numel = args.chunk
     out = {"chunk": args.chunk}
     if args.only in (None, "copies"):
         out["copies"] = copies(args.numel, args.chunk)

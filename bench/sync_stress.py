@@ -308,7 +308,7 @@ def main() -> None:
     logging.getLogger("offload_plugin").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="offload_plugin")
     if args.device == "cpu":
-        streamed._ON_CPU = True  # the default mode runs the streamed code on CPU tensors
+        streamed.config.on_cpu = True  # the default mode runs the streamed code on CPU tensors
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor(),
            "threads": torch.get_num_threads(), "width": args.width,

@@ -57,7 +57,7 @@ class StateFormat:
     kernel_text: str = "on the device"
     # Whether a weight written outside the optimizer touches the state (weights_written).
     watches_weights: bool = False
-    # A unit's elements in multiples of streamed.STAGE_NUMEL: a format with fewer staged
+    # A unit's elements in multiples of streamed.config.stage_numel: a format with fewer staged
     # bytes per element takes larger units, so that the autograd thread queues fewer of them
     # inside a backward (each costs it copies and a launch, while backward's own launches wait).
     stage_scale: int = 1

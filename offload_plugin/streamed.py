@@ -27,7 +27,7 @@ date (and a skipped step reported) when the state is read, at the next step, or 
 
 Inside a backward (torchtune's ``optimizer_in_bwd``: one optimizer per parameter, each
 stepped in its gradient's hook) a step only checks its gradient and queues it on the ring;
-the queued steps go to the GPU together once they hold FLUSH_NUMEL elements, and when the
+the queued steps go to the GPU together once they hold config.flush_numel elements, and when the
 backward ends. Their verdicts, step counts and small moments then cost a few launches for
 many parameters instead of a dozen each, which kept the backward's launches waiting on the
 hooks' Python (stock 1B full fine-tuning ran at 0.85-0.88x the same recipe without
@@ -38,6 +38,7 @@ per-parameter optimizers would.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import math
@@ -55,36 +56,68 @@ from offload_plugin.options import STREAMED, Options, check_amp_scaler, engine_f
 from offload_plugin.state_formats import ALIGN
 from offload_plugin.weight_sync import WeightTracker, version
 
-__all__ = ["eligible", "StagingRing", "StreamedEngine"]
+__all__ = ["eligible", "StagingRing", "StreamedEngine", "StreamedConfig", "config", "configured"]
 
 log = logging.getLogger(__name__)
 
-# Elements per staging buffer: a copy of 16 MiB (bf16) takes ~0.3 ms at the H200 machine's
-# 55 GB/s each way, far above a copy's fixed cost, and the ring (RING_SIZE buffers of two
-# moments) costs 96 MiB of device memory for bf16 parameters.
-STAGE_NUMEL = 1 << 23
-# Buffer pairs per pool: how many units' copies in may run ahead of their kernels (and of
-# their gradients). A unit's copy in is queued with its flush, once its gradient exists.
-RING_SIZE = 3
-# Queued steps inside a backward go to the GPU once they hold this many elements (64 MiB of
-# bf16 gradients: a 1B transformer layer's tensors in two or three flushes). Each flush costs
-# the autograd thread a dozen launches and some Python, which delays backward's own
-# launches: with 4 M elements (about 100 flushes a 1B backward) the stock 1B full drop-in
-# ran 0.78x and 0.87x our recipe in two calls, with 32 M 1.05x and 0.99x (bench/run_h200.sh
-# inbwdsweep).
-# Benchmarks set OFFLOAD_PLUGIN_FLUSH_NUMEL in a recipe's environment to try others.
-FLUSH_NUMEL = int(os.environ.get("OFFLOAD_PLUGIN_FLUSH_NUMEL", str(1 << 25)))
-# Inside a backward, the hooks wait once the gradients handed to the update stream and not
-# yet read by it exceed this many bytes: the update runs at the bus's pace, backward can run
-# ahead of it, and each gradient's memory is free only once its update has read it. Without
-# a bound all of them could wait at once (16 GB for an 8B model). Benchmarks set
-# OFFLOAD_PLUGIN_IN_FLIGHT_MIB in a recipe's environment to try other bounds.
-IN_FLIGHT_BYTES = int(os.environ.get("OFFLOAD_PLUGIN_IN_FLIGHT_MIB", "1024")) << 20
-# Tests turn this on to run the same code with parameters on the CPU (no streams).
-_ON_CPU = False
-# Benchmarks switch this off (or set OFFLOAD_PLUGIN_STREAMED=0 in a recipe's environment) to
-# time the host update on the same machine.
-ENABLED = os.environ.get("OFFLOAD_PLUGIN_STREAMED", "1") != "0"
+@dataclasses.dataclass
+class StreamedConfig:
+    """The streamed engine's tunables, in one object that the engine reads at each use.
+    Three come from the environment at import, for benchmarks that run inside a recipe's
+    process; tests and benchmarks change them with :func:`configured` (or pytest's
+    ``monkeypatch.setattr(streamed.config, ...)``)."""
+
+    # Elements per staging buffer: a copy of 16 MiB (bf16) takes ~0.3 ms at the H200
+    # machine's 55 GB/s each way, far above a copy's fixed cost, and the ring (ring_size
+    # buffers of two moments) costs 96 MiB of device memory for bf16 parameters.
+    stage_numel: int = 1 << 23
+    # Buffer pairs per pool: how many units' copies in may run ahead of their kernels (and of
+    # their gradients). A unit's copy in is queued with its flush, once its gradient exists.
+    ring_size: int = 3
+    # Queued steps inside a backward go to the GPU once they hold this many elements (64 MiB
+    # of bf16 gradients: a 1B transformer layer's tensors in two or three flushes). Each flush
+    # costs the autograd thread a dozen launches and some Python, which delays backward's own
+    # launches: with 4 M elements (about 100 flushes a 1B backward) the stock 1B full drop-in
+    # ran 0.78x and 0.87x our recipe in two calls, with 32 M 1.05x and 0.99x (bench/run_h200.sh
+    # inbwdsweep). OFFLOAD_PLUGIN_FLUSH_NUMEL sets it.
+    flush_numel: int = 1 << 25
+    # Inside a backward, the hooks wait once the gradients handed to the update stream and not
+    # yet read by it exceed this many bytes: the update runs at the bus's pace, backward can
+    # run ahead of it, and each gradient's memory is free only once its update has read it.
+    # Without a bound all of them could wait at once (16 GB for an 8B model).
+    # OFFLOAD_PLUGIN_IN_FLIGHT_MIB sets it (in MiB).
+    in_flight_bytes: int = 1 << 30
+    # Tests turn this on to run the same code with parameters on the CPU (no streams).
+    on_cpu: bool = False
+    # Off, the host update runs where this one would (benchmarks time the two on one
+    # machine); OFFLOAD_PLUGIN_STREAMED=0 turns it off.
+    enabled: bool = True
+
+    @classmethod
+    def from_environment(cls, env=os.environ) -> "StreamedConfig":
+        return cls(flush_numel=int(env.get("OFFLOAD_PLUGIN_FLUSH_NUMEL", str(1 << 25))),
+                   in_flight_bytes=int(env.get("OFFLOAD_PLUGIN_IN_FLIGHT_MIB", "1024")) << 20,
+                   enabled=env.get("OFFLOAD_PLUGIN_STREAMED", "1") != "0")
+
+
+config = StreamedConfig.from_environment()
+
+
+@contextlib.contextmanager
+def configured(**changes):
+    """``config`` with ``changes`` (field names) for the duration of the block."""
+    fields = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(changes) - fields)
+    if unknown:
+        raise TypeError(f"StreamedConfig has no {', '.join(unknown)}; its fields: {', '.join(sorted(fields))}")
+    saved = dataclasses.asdict(config)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    try:
+        yield config
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
 
 
 def eligible(options: Options, defaults: dict, group: dict, params: list[torch.Tensor],
@@ -96,9 +129,9 @@ def eligible(options: Options, defaults: dict, group: dict, params: list[torch.T
     device = params[0].device if params else None
     return engine_for(
         options, dict(defaults, **{k: v for k, v in group.items() if k != "params"}), params,
-        kept_on_device=keeps_some, streaming_on=ENABLED,
-        device_streams=device is not None and (device.type == "cuda" or (_ON_CPU and device.type == "cpu")),
-        on_cpu=_ON_CPU,
+        kept_on_device=keeps_some, streaming_on=config.enabled,
+        device_streams=device is not None and (device.type == "cuda" or (config.on_cpu and device.type == "cpu")),
+        on_cpu=config.on_cpu,
     ) == STREAMED
 
 
@@ -133,23 +166,23 @@ class StagingRing:
         self.updated = torch.cuda.Event() if self.is_async else None
 
     def reserve(self, dtype, numel: int, layout=None) -> None:
-        """Buffers of at least ``numel`` elements (grown by doubling up to STAGE_NUMEL, or
+        """Buffers of at least ``numel`` elements (grown by doubling up to config.stage_numel, or
         to a larger unit's size: StateFormat.stage_scale). ``dtype`` names the pool;
         ``layout(numel)``, if given, lists the pair's (size, dtype)
         (compact_streamed.stage_layout), else two buffers of ``numel`` elements of ``dtype``."""
         have = self.numel.get(dtype, 0)
         if numel <= have or not self.is_async:
             return
-        numel = max(numel, min(2 * have, STAGE_NUMEL))
+        numel = max(numel, min(2 * have, config.stage_numel))
         shapes = layout(numel) if layout is not None else [(numel, dtype)] * 2
         pairs = []
-        for _ in range(RING_SIZE):
+        for _ in range(config.ring_size):
             pair = tuple(torch.empty(size, dtype=kind, device=self.device) for size, kind in shapes)
             for buf in pair:  # freed while queued work may still use them: not reused before
                 for stream in (self.load, self.update, self.store):
                     buf.record_stream(stream)
             pairs.append(pair)
-        self._pools[dtype] = [pairs, [None] * RING_SIZE, 0]
+        self._pools[dtype] = [pairs, [None] * config.ring_size, 0]
         self.numel[dtype] = numel
         self.generation += 1
         # Their memory may have served tensors that work queued on the compute stream still
@@ -161,7 +194,7 @@ class StagingRing:
         last copy out."""
         pool = self._pools[dtype]
         index = pool[2]
-        pool[2] = (index + 1) % RING_SIZE
+        pool[2] = (index + 1) % config.ring_size
         if pool[1][index] is not None:
             self.load.wait_event(pool[1][index])
         return index
@@ -175,10 +208,10 @@ class StagingRing:
 
     def hold(self, nbytes: int) -> None:
         """Gradients of ``nbytes`` were just handed to the update stream inside a backward:
-        wait for the oldest until at most IN_FLIGHT_BYTES remain (see there)."""
+        wait for the oldest until at most config.in_flight_bytes remain (see there)."""
         self.in_flight.append((record(self.update), nbytes))
         self.in_flight_bytes += nbytes
-        while self.in_flight_bytes > IN_FLIGHT_BYTES and len(self.in_flight) > 1:
+        while self.in_flight_bytes > config.in_flight_bytes and len(self.in_flight) > 1:
             done, freed = self.in_flight.popleft()
             done.synchronize()
             self.in_flight_bytes -= freed
@@ -454,7 +487,7 @@ class StreamedEngine(Engine):
         self._queued_on = ring
         self._steps_moved = True
         if in_backward:
-            if ring.queued_numel >= FLUSH_NUMEL:
+            if ring.queued_numel >= config.flush_numel:
                 _flush(ring, in_backward=True)
         else:
             _flush(ring, in_backward=False)
@@ -488,7 +521,7 @@ class StreamedEngine(Engine):
         group_of = [index_of[id(s.param)] for s in slots]
         fmt = self.format
         entries = fmt.entries(self.inner, slots, group_of, pin=ring.is_async and self.arena.pin)
-        units = fmt.cut(slots, entries, group_of, STAGE_NUMEL * fmt.stage_scale)
+        units = fmt.cut(slots, entries, group_of, config.stage_numel * fmt.stage_scale)
         for unit in units:
             fmt.reserve(ring, unit)
         if fmt.watches_weights:

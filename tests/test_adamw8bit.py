@@ -3,7 +3,7 @@
 The reference is bitsandbytes 0.50 itself on CPU tensors (its CPU backend): from the same
 weights and gradients, the bf16 weights, the 8-bit codes, the block scales and the 32-bit
 state of small tensors are its bits, used directly and through CPUOffloadOptimizer (the host
-update, and the streamed update's code run on the host, ``streamed._ON_CPU``). Each side's
+update, and the streamed update's code run on the host, ``streamed.config.on_cpu``). Each side's
 state dict continues on the other as the uninterrupted run does. Every malformed field is
 refused with nothing changed. The GPU kernel's bits are checked in the last tests.
 """
@@ -130,9 +130,9 @@ def test_through_the_offload_optimizer_it_is_bitsandbytes(monkeypatch, streaming
     (units of 2048 elements: the large weights in ranges), against bitsandbytes; the state
     dict is its layout."""
     bnb = _bnb()
-    monkeypatch.setattr(streamed, "ENABLED", streaming)
-    monkeypatch.setattr(streamed, "_ON_CPU", streaming)
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 512)  # (8-bit units of 2048 elements: stage_scale)
+    monkeypatch.setattr(streamed.config, "enabled", streaming)
+    monkeypatch.setattr(streamed.config, "on_cpu", streaming)
+    monkeypatch.setattr(streamed.config, "stage_numel", 512)  # (8-bit units of 2048 elements: stage_scale)
     ps, qs = _params(), [nn.Parameter(p) for p in _params()]
     theirs = bnb.optim.AdamW8bit(ps, lr=LR)
     ours = _offloaded(qs)
@@ -152,9 +152,9 @@ def test_a_unit_of_a_whole_parameter_is_staged_in_two_copies_each_way(monkeypatc
     parameter takes four."""
     from offload_plugin import adamw8bit_streamed
 
-    monkeypatch.setattr(streamed, "ENABLED", True)
-    monkeypatch.setattr(streamed, "_ON_CPU", True)
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 1024)  # (8-bit units of 4096 elements)
+    monkeypatch.setattr(streamed.config, "enabled", True)
+    monkeypatch.setattr(streamed.config, "on_cpu", True)
+    monkeypatch.setattr(streamed.config, "stage_numel", 1024)  # (8-bit units of 4096 elements)
     torch.manual_seed(0)
     qs = [nn.Parameter(torch.randn(s).to(torch.bfloat16)) for s in ((32, 128), (64, 128))]
     opt = _offloaded(qs)
@@ -178,8 +178,8 @@ def test_a_unit_of_a_whole_parameter_is_staged_in_two_copies_each_way(monkeypatc
 def test_a_nonfinite_step_is_skipped_by_the_streamed_update_as_by_the_host_update(monkeypatch):
     results = []
     for streaming in (False, True):
-        monkeypatch.setattr(streamed, "ENABLED", streaming)
-        monkeypatch.setattr(streamed, "_ON_CPU", streaming)
+        monkeypatch.setattr(streamed.config, "enabled", streaming)
+        monkeypatch.setattr(streamed.config, "on_cpu", streaming)
         qs = [nn.Parameter(p) for p in _params()]
         opt = _offloaded(qs)
         for step in range(4):
@@ -244,9 +244,9 @@ def test_stochastic_rounding_streamed_is_the_host_update_bit_for_bit(monkeypatch
     does: the random bits follow the element's place in its parameter, not the unit's."""
     results = []
     for streaming in (False, True):
-        monkeypatch.setattr(streamed, "ENABLED", streaming)
-        monkeypatch.setattr(streamed, "_ON_CPU", streaming)
-        monkeypatch.setattr(streamed, "STAGE_NUMEL", 512)  # (8-bit units of 2048 elements: stage_scale)
+        monkeypatch.setattr(streamed.config, "enabled", streaming)
+        monkeypatch.setattr(streamed.config, "on_cpu", streaming)
+        monkeypatch.setattr(streamed.config, "stage_numel", 512)  # (8-bit units of 2048 elements: stage_scale)
         qs = [nn.Parameter(p) for p in _params()]
         opt = _offloaded(qs, stochastic_rounding=True, min_8bit_size=1024)
         for step in range(4):
@@ -338,7 +338,7 @@ class _nothing:
 
 
 def test_a_resume_of_our_own_checkpoint_is_exact(monkeypatch):
-    monkeypatch.setattr(streamed, "ENABLED", False)
+    monkeypatch.setattr(streamed.config, "enabled", False)
     whole_params = [nn.Parameter(p) for p in _params()]
     _, whole = _run(_offloaded, 6, params=whole_params)
     half_params = [nn.Parameter(p) for p in _params()]
@@ -448,8 +448,8 @@ def test_a_refused_step_changes_nothing(edit, message):
 def test_a_group_edited_to_settings_the_constructor_refuses_is_refused_before_any_update(
         monkeypatch, through, edit, message):
     """Edited into the last group, so that the other groups would be updated first."""
-    monkeypatch.setattr(streamed, "ENABLED", through == "streamed")
-    monkeypatch.setattr(streamed, "_ON_CPU", through == "streamed")
+    monkeypatch.setattr(streamed.config, "enabled", through == "streamed")
+    monkeypatch.setattr(streamed.config, "on_cpu", through == "streamed")
     params = [nn.Parameter(p) for p in _params()]
     groups = [{"params": params[:3]}, {"params": params[3:], "lr": LR / 2}]
     opt = (AdamW8bit(groups, lr=LR) if through == "direct"
@@ -530,7 +530,7 @@ def test_the_host_memory_preflight_counts_its_two_bytes_of_state(monkeypatch):
     bytes of state: 6) is built, the default's (weight, gradient and bf16 moments: 8) refused."""
     from offload_plugin import HostMemoryError, host_memory
 
-    monkeypatch.setattr(streamed, "ENABLED", False)
+    monkeypatch.setattr(streamed.config, "enabled", False)
     params = [nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16))]
     monkeypatch.setattr(host_memory, "available_bytes", lambda: (7 * params[0].numel(), "a test limit"))
     _offloaded(params)
@@ -539,7 +539,7 @@ def test_the_host_memory_preflight_counts_its_two_bytes_of_state(monkeypatch):
 
 
 def test_a_scheduler_drives_it_through_the_offload_optimizer(monkeypatch):
-    monkeypatch.setattr(streamed, "ENABLED", False)
+    monkeypatch.setattr(streamed.config, "enabled", False)
     params = [nn.Parameter(p) for p in _params()]
     opt = _offloaded(params)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
@@ -561,10 +561,10 @@ def test_gpu_streamed_adamw8bit_has_the_host_updates_bits(monkeypatch, min_8bit_
     host update on the same gradients (an inf in one at step 2: skipped): every weight and
     state byte, the 32-bit kernel too (min_8bit_size=4096; 10**6: every tensor in 32 bits,
     the large ones in ranges a staging pair holds)."""
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 512)  # (8-bit units of 2048 elements: stage_scale)
+    monkeypatch.setattr(streamed.config, "stage_numel", 512)  # (8-bit units of 2048 elements: stage_scale)
     results = []
     for device in ("cpu", "cuda"):
-        monkeypatch.setattr(streamed, "_ON_CPU", device == "cpu")
+        monkeypatch.setattr(streamed.config, "on_cpu", device == "cpu")
         params = [nn.Parameter(p.to(device)) for p in _params()]
         opt = _offloaded(params, min_8bit_size=min_8bit_size, stochastic_rounding=stochastic_rounding)
         assert opt.engine.streams and opt.engine.format.name == "adamw8bit"

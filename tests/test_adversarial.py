@@ -137,7 +137,7 @@ def test_unusable_state_assigned_by_hand_is_a_clear_error_changing_nothing(case,
     KeyError for a deleted moment.)"""
     from offload_plugin import streamed
 
-    monkeypatch.setattr(streamed, "_ON_CPU", streaming)
+    monkeypatch.setattr(streamed.config, "on_cpu", streaming)
     (ref_model, ref), (ours_model, ours) = _twins()
     assert ours.engine.streams == streaming
     probe_model = copy.deepcopy(ref_model)
@@ -172,7 +172,7 @@ def test_amsgrad_switched_on_after_steps_is_a_clear_error_changing_nothing(strea
     stays streamed: only amsgrad loaded with its state hands it to the host update.)"""
     from offload_plugin import streamed
 
-    monkeypatch.setattr(streamed, "_ON_CPU", streaming)
+    monkeypatch.setattr(streamed.config, "on_cpu", streaming)
     (ref_model, ref), (ours_model, ours) = _twins()
     assert ours.engine.streams == streaming
     for model, opt in ((ref_model, ref), (ours_model, ours)):

@@ -98,7 +98,7 @@ def test_weights_changed_between_steps_are_what_the_next_step_updates(device, dt
     spec = MODES[mode]
     # The host twin reproduces the host update's bits; on a GPU, settings that the streamed
     # update takes (torch's GPU kernel: test_streamed_gpu.py) run the host update here.
-    monkeypatch.setattr(streamed, "ENABLED", False)
+    monkeypatch.setattr(streamed.config, "enabled", False)
     if device == "cuda" and "partial" in mode and dtype == torch.bfloat16 and master_weights:
         pytest.skip("the device share's masters update with torch's GPU kernel, which the "
                     "host twin does not reproduce bit for bit")

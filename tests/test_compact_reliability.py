@@ -26,7 +26,7 @@ def make_model(seed=0) -> nn.Module:
 def build(model, path, monkeypatch):
     if path == "direct":
         return CompactAdamW(list(model.parameters()), **KW)
-    monkeypatch.setattr(streamed, "_ON_CPU", path == "streamed")
+    monkeypatch.setattr(streamed.config, "on_cpu", path == "streamed")
     return CPUOffloadOptimizer(model.parameters(), optimizer_cls=CompactAdamW, **KW)
 
 

@@ -1,6 +1,6 @@
 """CompactAdamW's streamed update (offload_plugin.compact_streamed): the compact state in
 host memory, updated where the parameters are. Here the same code runs with CPU parameters
-(``streamed._ON_CPU``: no streams, the native CPU kernel on the host state in place), and
+(``streamed.config.on_cpu``: no streams, the native CPU kernel on the host state in place), and
 the reference is CompactAdamW's host update in the same optimizer, bit for bit: weights,
 losses and every state tensor. test_streamed_gpu.py compares the GPU kernel with it."""
 
@@ -18,8 +18,8 @@ KW = dict(lr=2e-3, weight_decay=0.1, optimizer_cls="offload_plugin.CompactAdamW"
 
 @pytest.fixture(autouse=True)
 def _streamed_on_cpu(monkeypatch):
-    monkeypatch.setattr(streamed, "_ON_CPU", True)
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)  # the 64x96 weight goes in 3 ranges
+    monkeypatch.setattr(streamed.config, "on_cpu", True)
+    monkeypatch.setattr(streamed.config, "stage_numel", 2048)  # the 64x96 weight goes in 3 ranges
 
 
 def make_model(seed=0) -> nn.Module:
@@ -48,7 +48,7 @@ def run(model, opt, steps, start=0, nonfinite_at=None):
 
 
 def build(streamed_on: bool, monkeypatch, **kw):
-    monkeypatch.setattr(streamed, "ENABLED", streamed_on)
+    monkeypatch.setattr(streamed.config, "enabled", streamed_on)
     model = make_model()
     opt = CPUOffloadOptimizer(model.parameters(), **dict(KW, **kw))
     assert opt.engine.streams == streamed_on
@@ -235,7 +235,7 @@ def test_in_backward_is_the_host_update_bit_for_bit(monkeypatch):
     by every parameter."""
     results = []
     for streamed_on in (False, True):
-        monkeypatch.setattr(streamed, "ENABLED", streamed_on)
+        monkeypatch.setattr(streamed.config, "enabled", streamed_on)
         model = make_model()
         optims = _in_bwd(model, lambda ps: CPUOffloadOptimizer(ps, **KW))
         assert all(o.engine.streams == streamed_on for o in optims.values())
@@ -284,8 +284,8 @@ def test_gpu_streamed_compact_has_the_host_updates_bits(monkeypatch, master):
     on the same gradients: every weight and state byte. With min_8bit_size=0 every tensor
     is compact; with the default, small ones take torch's fused AdamW on the GPU, whose
     bits may differ from its CPU kernel's in the last place."""
-    monkeypatch.setattr(streamed, "_ON_CPU", True)
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 2048)
+    monkeypatch.setattr(streamed.config, "on_cpu", True)
+    monkeypatch.setattr(streamed.config, "stage_numel", 2048)
     for min_8bit_size in (0, 4096, 10**6):  # (10**6: all fp32, the large ones in ranges)
         kw = dict(master=master, min_8bit_size=min_8bit_size)
         cpu_model, cpu_opt = _stepped_with_given_grads("cpu", 5, monkeypatch, **kw)
@@ -309,7 +309,7 @@ def test_gpu_streamed_compact_has_the_host_updates_bits(monkeypatch, master):
 def test_gpu_streamed_compact_in_backward_is_the_same_as_after_backward(monkeypatch):
     """On the GPU, optimizer_in_bwd (steps queued in the hooks, flushed in batches) gives
     the bits of one optimizer stepped after each backward, on the GPU's own gradients."""
-    monkeypatch.setattr(streamed, "FLUSH_NUMEL", 5000)
+    monkeypatch.setattr(streamed.config, "flush_numel", 5000)
     model = make_model().cuda()
     optims = _in_bwd(model, lambda ps: CPUOffloadOptimizer(ps, **KW))
     assert all(o.engine.streams and o.engine.format.name == "compact" for o in optims.values())

@@ -4,7 +4,7 @@ Formats: exact AdamW (torch's layout), ``AdamW8bit`` (bitsandbytes' layout) and
 ``CompactAdamW``. Paths: the inner class used directly (where it is public; torch's AdamW
 is the exact format's reference itself), CPUOffloadOptimizer's host update, the same with
 ``offload_gradients=True``, and the streamed update's code run on the host
-(``streamed._ON_CPU``, as tests/test_streamed.py runs it). Each check compares with a
+(``streamed.config.on_cpu``, as tests/test_streamed.py runs it). Each check compares with a
 reference: torch's ``AdamW(fused=True)``, bitsandbytes' ``AdamW8bit``, ``CompactAdamW``
 loaded with the same state, an untouched twin, an uninterrupted run, or a snapshot taken
 before a refused call.
@@ -59,10 +59,10 @@ def make_model(fmt, seed=0) -> nn.Module:
 
 def build(fmt, path, model, monkeypatch):
     """``fmt``'s optimizer over ``model`` on ``path``."""
-    monkeypatch.setattr(streamed, "ENABLED", path == "streamed")
-    monkeypatch.setattr(streamed, "_ON_CPU", path == "streamed")
+    monkeypatch.setattr(streamed.config, "enabled", path == "streamed")
+    monkeypatch.setattr(streamed.config, "on_cpu", path == "streamed")
     # Weights in ranges; a multiple of the CPU kernel's vector width (test_streamed.py says why).
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 512)
+    monkeypatch.setattr(streamed.config, "stage_numel", 512)
     if path == "direct":
         return FORMATS[fmt]["direct"](list(model.parameters()), **KW)
     opt = CPUOffloadOptimizer(model.parameters(), optimizer_cls=FORMATS[fmt]["cls"],

@@ -1,7 +1,7 @@
 """Property: any sequence of what a user may do between and around steps leaves the 8-bit
 optimizers' weights and state with the same bits on every path: used directly on the bf16
 parameters (the reference), inside CPUOffloadOptimizer with the host update, and streamed
-(the GPU's path, here its CPU twin ``streamed._ON_CPU``, in units small enough to cut the
+(the GPU's path, here its CPU twin ``streamed.config.on_cpu``, in units small enough to cut the
 parameters into ranges); for AdamW8bit also bitsandbytes' own AdamW8bit, the reference there.
 
 Operations: training steps (accumulation, torchtune's scaling, clipping), weights edited in
@@ -43,7 +43,7 @@ def _build(cls, model, path, kw, monkeypatch):
         return pytest.importorskip("bitsandbytes").optim.AdamW8bit(trainable(model), **kw)
     if path == "direct":
         return cls(trainable(model), **kw)
-    monkeypatch.setattr(streamed, "_ON_CPU", path == "streamed")  # (read when built)
+    monkeypatch.setattr(streamed.config, "on_cpu", path == "streamed")  # (read when built)
     return CPUOffloadOptimizer(model.parameters(), optimizer_cls=cls, **kw)
 
 
@@ -118,7 +118,7 @@ def _assert_same_entry(value, ref, where):
 def test_every_path_gives_the_same_bits(cls, min_8bit_size, program, monkeypatch):
     """A random program on twins: direct, offloaded (host update), streamed (CPU twin, in
     ranges: units of 64 elements, or 256 for AdamW8bit's 8-bit state), and bitsandbytes."""
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 64)
+    monkeypatch.setattr(streamed.config, "stage_numel", 64)
     kw = dict(lr=1e-2, weight_decay=0.1, min_8bit_size=min_8bit_size)
     twins = []
     for path in PATHS[cls]:

@@ -3,7 +3,7 @@
 
 "Every path" is ``AdamW8bit`` used directly, through ``CPUOffloadOptimizer``'s host update
 (with ``offload_gradients=True``) and through the streamed update's code run on the host
-(``streamed._ON_CPU``, as tests/test_adamw8bit.py runs it).
+(``streamed.config.on_cpu``, as tests/test_adamw8bit.py runs it).
 """
 
 import copy
@@ -39,9 +39,9 @@ def _grads(step):
 
 def _ours(path, params, monkeypatch, **kw):
     """AdamW8bit on ``path`` over ``params`` (a list, or param groups)."""
-    monkeypatch.setattr(streamed, "ENABLED", path == "streamed")
-    monkeypatch.setattr(streamed, "_ON_CPU", path == "streamed")
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 512)  # (8-bit units of 2048 elements: the large ones in ranges)
+    monkeypatch.setattr(streamed.config, "enabled", path == "streamed")
+    monkeypatch.setattr(streamed.config, "on_cpu", path == "streamed")
+    monkeypatch.setattr(streamed.config, "stage_numel", 512)  # (8-bit units of 2048 elements: the large ones in ranges)
     if path == "direct":
         return AdamW8bit(params, lr=LR, **kw)
     opt = CPUOffloadOptimizer(params, optimizer_cls="offload_plugin.AdamW8bit", lr=LR,

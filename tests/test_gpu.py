@@ -25,7 +25,7 @@ def _wide_model(seed=0):
 def test_host_buffers_are_pinned(monkeypatch):
     """The host update's master weights and gradient buffers are page-locked, so copies run
     asynchronously (the streamed update keeps neither: its moments, test_streamed_gpu.py)."""
-    monkeypatch.setattr(streamed, "ENABLED", False)
+    monkeypatch.setattr(streamed.config, "enabled", False)
     opt = offload(_wide_model())
     for slot in opt.engine.slots:
         assert slot.master.is_pinned() and slot.grad.is_pinned()
@@ -157,7 +157,7 @@ def test_plain_step_on_the_gpu_checks_gradients_as_they_leave(bad, monkeypatch):
 
     # The host update's plain step (master weights, amsgrad, other optimizers take it on a
     # GPU); with these settings the streamed update would run (test_streamed_gpu.py).
-    monkeypatch.setattr(streamed, "ENABLED", False)
+    monkeypatch.setattr(streamed.config, "enabled", False)
     torch.manual_seed(0)
     shapes = [(8, 64)] * 40 + [(PACK_MAX_BYTES // 2 + 64,)]  # bf16: the last one is copied alone
     params = [nn.Parameter(torch.randn(s, device="cuda", dtype=torch.bfloat16)) for s in shapes]
@@ -209,7 +209,7 @@ def test_stock_lora_recipes_plain_step_checks_on_the_way_from_the_first_step(mon
         return checked(self, grads, meshes)
 
     monkeypatch.setattr(Scaling, "step_is_finite", separate_check)
-    monkeypatch.setattr(streamed, "ENABLED", False)  # (the host update's plain step, as above)
+    monkeypatch.setattr(streamed.config, "enabled", False)  # (the host update's plain step, as above)
     torch.manual_seed(0)
     with set_default_dtype(torch.bfloat16), torch.device(device):  # as the recipe builds it
         model = qlora_tiny_llama(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
@@ -264,7 +264,7 @@ def test_gpu_offloaded_gradients_are_scaled_with_torchtunes_bits(monkeypatch, ho
     gradients torchtune scaled on the GPU before the step copied them."""
     from torchtune import training
 
-    monkeypatch.setattr(streamed, "ENABLED", False)  # both twins: the host update
+    monkeypatch.setattr(streamed.config, "enabled", False)  # both twins: the host update
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8)).cuda().to(torch.bfloat16)
     twin, start = copy.deepcopy(model), copy.deepcopy(model)

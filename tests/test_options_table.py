@@ -76,7 +76,7 @@ def _engine(caplog, params, **kwargs) -> str:
 def on_cpu(monkeypatch):
     """The streamed engine on CPU parameters (tests/test_streamed.py), so that CPU runs
     choose between the engines as a GPU run would."""
-    monkeypatch.setattr(streamed, "_ON_CPU", True)
+    monkeypatch.setattr(streamed.config, "on_cpu", True)
 
 
 def _dtensors(mesh, dim: int, dtype=torch.float32) -> list:
@@ -221,7 +221,7 @@ def test_grad_scaler_with_streamed_compact_adamw(on_cpu, monkeypatch):
     before = _scaled_step(opt, params)
     _refused("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s, `AdamW8bit`'s)", opt.step)
     assert all(torch.equal(a, b) for a, b in zip(before, params))
-    monkeypatch.setattr(streamed, "_ON_CPU", False)  # the host engine takes the scale
+    monkeypatch.setattr(streamed.config, "on_cpu", False)  # the host engine takes the scale
     opt = CPUOffloadOptimizer(params, optimizer_cls=CompactAdamW)
     _scaled_step(opt, params)
     opt.step()
@@ -275,9 +275,9 @@ def test_engine(combination, monkeypatch, caplog):
     make, kwargs, expected = ENGINES[combination]
     assert _rule(combination).update == expected, "the table says otherwise"
     if combination != "parameters not on a CUDA device":
-        monkeypatch.setattr(streamed, "_ON_CPU", True)
+        monkeypatch.setattr(streamed.config, "on_cpu", True)
     if combination == "`OFFLOAD_PLUGIN_STREAMED=0` in the environment":
-        monkeypatch.setattr(streamed, "ENABLED", False)
+        monkeypatch.setattr(streamed.config, "enabled", False)
     params = make()
     params = params.parameters() if isinstance(params, nn.Module) else params
     assert _engine(caplog, params, **kwargs) == expected

@@ -8,7 +8,7 @@ place or loaded, lr changed, state read, edited in place, replaced, saved and lo
 step counts edited, and torch's own state dict loaded into ours; gradients cleared by the
 model as Hugging Face's Trainer clears them. Four ways the update can
 run: the host update (what CPU parameters get), the streamed update's CPU twin (the default
-on a GPU, ``streamed._ON_CPU``), offloaded gradients (with our recipes' overlapped schedule
+on a GPU, ``streamed.config.on_cpu``), offloaded gradients (with our recipes' overlapped schedule
 among the operations) and half the update kept on the device (``device_fraction``). And the
 same under torchtune's ``optimizer_in_bwd`` (one optimizer per parameter, in gradient hooks).
 """
@@ -270,12 +270,12 @@ def _assert_same(ref_model, ref_optims: list, model, optims: list, where: str) -
 def _streamed_on_cpu(enabled: bool):
     """The streamed update's CPU twin, 32x32 weights cut in ranges (a multiple of the CPU
     kernel's vector width: its scalar tail rounds differently, CUDA's does not)."""
-    saved = streamed._ON_CPU, streamed.STAGE_NUMEL
-    streamed._ON_CPU, streamed.STAGE_NUMEL = enabled, 640
+    saved = streamed.config.on_cpu, streamed.config.stage_numel
+    streamed.config.on_cpu, streamed.config.stage_numel = enabled, 640
     try:
         yield
     finally:
-        streamed._ON_CPU, streamed.STAGE_NUMEL = saved
+        streamed.config.on_cpu, streamed.config.stage_numel = saved
 
 
 @pytest.mark.parametrize("mode", ["host", "streamed", "offload_gradients", "device_fraction"])

@@ -1,10 +1,11 @@
 """The streamed update (offload_plugin.streamed): the state in host memory, the update made
 by torch's fused kernel where the parameters are. On a GPU it is the default wherever it
-applies; here the same code runs with CPU parameters (``streamed._ON_CPU``, no streams),
+applies; here the same code runs with CPU parameters (``streamed.config.on_cpu``, no streams),
 so the reference is torch's fused AdamW on the CPU, bit for bit. test_streamed_gpu.py
 holds what only a GPU shows (streams, events, the staging ring)."""
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -18,10 +19,10 @@ KW = dict(lr=1e-2, weight_decay=0.1)
 
 @pytest.fixture(autouse=True)
 def _streamed_on_cpu(monkeypatch):
-    monkeypatch.setattr(streamed, "_ON_CPU", True)
+    monkeypatch.setattr(streamed.config, "on_cpu", True)
     # The 32x32 weights go in ranges. (A multiple of the CPU kernel's vector width: its
     # scalar tail rounds differently, CUDA's kernel does not.)
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 640)
+    monkeypatch.setattr(streamed.config, "stage_numel", 640)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -95,7 +96,7 @@ def test_nonfinite_step_is_skipped_and_reported(caplog):
         raising.step()
 
 
-@pytest.mark.parametrize("flush_numel", [1, 1000, streamed.FLUSH_NUMEL])
+@pytest.mark.parametrize("flush_numel", [1, 1000, streamed.config.flush_numel])
 def test_optimizer_in_backward_matches_torch_stepped_the_same_way(monkeypatch, flush_numel):
     """torchtune's optimizer_in_bwd (one optimizer per parameter, stepped in its gradient
     hook): bit for bit torch's fused AdamW stepped the same way, one verdict per parameter,
@@ -103,7 +104,7 @@ def test_optimizer_in_backward_matches_torch_stepped_the_same_way(monkeypatch, f
     backward ends."""
     from torchtune import training
 
-    monkeypatch.setattr(streamed, "FLUSH_NUMEL", flush_numel)
+    monkeypatch.setattr(streamed.config, "flush_numel", flush_numel)
 
     ref_model, model = twins()
     for m, make in ((ref_model, lambda ps: torch.optim.AdamW(ps, fused=True, **KW)),
@@ -182,7 +183,7 @@ def test_checkpoints_move_between_the_streamed_and_the_host_update(monkeypatch):
     the streamed update (and back) continues bit for bit as the uninterrupted run (on the
     CPU both are torch's fused kernel)."""
     def build(model, streaming):
-        monkeypatch.setattr(streamed, "ENABLED", streaming)
+        monkeypatch.setattr(streamed.config, "enabled", streaming)
         opt = CPUOffloadOptimizer(model.parameters(), **KW)
         assert opt.engine.streams == streaming
         return opt
@@ -203,14 +204,14 @@ def test_checkpoints_move_between_the_streamed_and_the_host_update(monkeypatch):
     assert_same_params(whole, model, exact=True)
 
 
-@pytest.mark.parametrize("flush_numel", [1, streamed.FLUSH_NUMEL])
+@pytest.mark.parametrize("flush_numel", [1, streamed.config.flush_numel])
 def test_a_nonfinite_gradient_in_backward_spares_that_parameter(caplog, monkeypatch, flush_numel):
     """torchtune's optimizer_in_bwd: each parameter judges its own gradient, as torch's
     per-parameter optimizers would, also when its step went to the device with others';
     the report comes with the next step."""
     from torchtune import training
 
-    monkeypatch.setattr(streamed, "FLUSH_NUMEL", flush_numel)
+    monkeypatch.setattr(streamed.config, "flush_numel", flush_numel)
 
     model = make_model()
     optims = {p: CPUOffloadOptimizer([p], **KW) for p in trainable(model)}
@@ -299,7 +300,7 @@ def test_environment_switches_the_streamed_update_off(value, enabled):
     env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_PLUGIN_STREAMED"}
     if value is not None:
         env["OFFLOAD_PLUGIN_STREAMED"] = value
-    out = subprocess.run([sys.executable, "-c", "from offload_plugin import streamed; print(streamed.ENABLED)"],
+    out = subprocess.run([sys.executable, "-c", "from offload_plugin import streamed; print(streamed.config.enabled)"],
                          capture_output=True, text=True, env=env, check=True).stdout.strip()
     assert out == str(enabled)
 
@@ -386,7 +387,22 @@ def test_benchmark_settings_are_read_from_the_environment():
     import subprocess
     import sys
 
-    code = "from offload_plugin import streamed as s; print(s.FLUSH_NUMEL, s.IN_FLIGHT_BYTES >> 20)"
+    code = "from offload_plugin import streamed as s; print(s.config.flush_numel, s.config.in_flight_bytes >> 20)"
     env = dict(os.environ, OFFLOAD_PLUGIN_FLUSH_NUMEL="4096", OFFLOAD_PLUGIN_IN_FLIGHT_MIB="2048")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["4096", "2048"], out.stderr[-2000:]
+
+
+def test_configured_sets_the_streamed_config_for_a_block_and_restores_it():
+    """streamed.configured(): the engine's tunables changed for a block, put back after it
+    (also when the block raises); a field it does not have is refused with the fields."""
+    before = dataclasses.asdict(streamed.config)
+    with pytest.raises(KeyError):
+        with streamed.configured(stage_numel=640, on_cpu=True) as config:
+            assert (streamed.config.stage_numel, streamed.config.on_cpu) == (640, True) and config is streamed.config
+            raise KeyError("inside")
+    assert dataclasses.asdict(streamed.config) == before
+    with pytest.raises(TypeError, match="no stage_size.*stage_numel"):
+        with streamed.configured(stage_size=1):
+            pass
+    assert dataclasses.asdict(streamed.config) == before

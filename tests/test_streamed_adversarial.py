@@ -1,5 +1,5 @@
 """Things a user can do between steps of the streamed update (offload_plugin.streamed, the
-default on a GPU), here on its CPU twin (``streamed._ON_CPU``) against torch's
+default on a GPU), here on its CPU twin (``streamed.config.on_cpu``) against torch's
 ``AdamW(fused=True)`` on the CPU, bit for bit: where torch works, ours gives the same bits;
 where torch raises, ours raises a clear error with nothing changed (weights, moments, step
 counts), so that training continues as if the call had not been made. test_adversarial.py
@@ -19,9 +19,9 @@ LR = 1e-2
 
 @pytest.fixture(autouse=True)
 def _streamed_on_cpu(monkeypatch):
-    monkeypatch.setattr(streamed, "_ON_CPU", True)
+    monkeypatch.setattr(streamed.config, "on_cpu", True)
     # The 32x32 weight goes in ranges (see test_streamed.py).
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 640)
+    monkeypatch.setattr(streamed.config, "stage_numel", 640)
 
 
 def _model(seed=0):
@@ -295,7 +295,7 @@ def test_parameter_moved_to_another_group_takes_that_groups_hyperparameters(stre
     AdamW updates it with its new group's lr from then on. Both updates kept the group
     each parameter had when planned (the streamed update's units, the host optimizer's
     groups), a silent difference; they follow the groups now."""
-    monkeypatch.setattr(streamed, "ENABLED", streaming)
+    monkeypatch.setattr(streamed.config, "enabled", streaming)
 
     def groups(model):
         return [{"params": list(model[0].parameters())},

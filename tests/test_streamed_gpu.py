@@ -21,7 +21,7 @@ def test_gpu_streamed_update_is_torch_fused_adam_on_the_gpu(monkeypatch, dtype, 
     """Two groups, accumulation, torchtune's scaling, torch's clipping, a scheduler; weights
     in ranges and small ones packed: the same bits as torch's fused kernel on the GPU,
     and the same state, which lives in host memory."""
-    monkeypatch.setattr(streamed, "STAGE_NUMEL", 300)
+    monkeypatch.setattr(streamed.config, "stage_numel", 300)
     ref_model, ref, model, opt, ref_run, run = trained_in_two_groups("cuda", dtype, cls, **KW)
     assert opt.engine.streams
     assert_same_params(ref_model, model, exact=True)
@@ -141,7 +141,7 @@ def test_gpu_streamed_update_adds_only_its_staging_ring_to_device_memory():
     base = torch.cuda.memory_allocated()
     opt.step()
     torch.cuda.synchronize()
-    ring = streamed.RING_SIZE * 2 * min(streamed.STAGE_NUMEL, 4096 * 4096) * 2
+    ring = streamed.config.ring_size * 2 * min(streamed.config.stage_numel, 4096 * 4096) * 2
     added = torch.cuda.memory_allocated() - base
     moments = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
     assert added <= ring + (1 << 20) < moments, (added, ring, moments)
@@ -187,7 +187,7 @@ def _peak_during_in_backward_steps(limit: int) -> int:
     bytes allowed in flight."""
     from torchtune import training
 
-    streamed.IN_FLIGHT_BYTES = limit
+    streamed.config.in_flight_bytes = limit
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024, bias=False) for _ in range(16)]).cuda().bfloat16()
     optims = {p: CPUOffloadOptimizer([p], lr=1e-3) for p in model.parameters()}
@@ -209,10 +209,10 @@ def _peak_during_in_backward_steps(limit: int) -> int:
 
 def test_gpu_gradients_waiting_for_their_update_inside_backward_are_bounded(monkeypatch):
     """Inside a backward the gradients handed to the update stream, and so kept, are at
-    most IN_FLIGHT_BYTES (plus the flush that crossed it): 16 gradients of 2 MiB behind a
+    most config.in_flight_bytes (plus the flush that crossed it): 16 gradients of 2 MiB behind a
     stalled update stream, 4 MiB allowed, against all of them without the bound."""
-    monkeypatch.setattr(streamed, "IN_FLIGHT_BYTES", streamed.IN_FLIGHT_BYTES)
-    monkeypatch.setattr(streamed, "FLUSH_NUMEL", 1)  # (one gradient per flush)
+    monkeypatch.setattr(streamed.config, "in_flight_bytes", streamed.config.in_flight_bytes)
+    monkeypatch.setattr(streamed.config, "flush_numel", 1)  # (one gradient per flush)
     unbounded = _peak_during_in_backward_steps(1 << 40)
     bounded = _peak_during_in_backward_steps(4 << 20)
     grad = 1024 * 1024 * 2
@@ -235,7 +235,7 @@ def test_gpu_in_backward_verdicts_arrive_as_computed_behind_a_slow_copy_stream(m
 
     import offload_plugin
 
-    monkeypatch.setattr(streamed, "FLUSH_NUMEL", 1)
+    monkeypatch.setattr(streamed.config, "flush_numel", 1)
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512, bias=False) for _ in range(8)]).cuda().bfloat16()
     if optimizer_cls is None:
