@@ -529,7 +529,7 @@ def write_weights(engine, plan: LoadPlan) -> None:
     (the model was never loaded, or holds other weights) is what the step updates. Without
     a saved master the host copy restarts from the weight.
     """
-    if engine.streams:
+    if not engine.keeps_host_weights:
         return  # no host copies of the weights (a saved master is ignored, as torch's AdamW does)
     for param in engine.params():
         slot = engine.slots.get(param)

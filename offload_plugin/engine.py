@@ -61,6 +61,39 @@ class Engine:
     device_share = None  # the parameters updated on the device (device_fraction): host engine only
     overlap = None  # what overlap_next_step() chose (host engine only)
 
+    # What the update looks like from outside, in the words trainable's log uses.
+    where_text = "on the host"
+
+    def accepts(self, group: dict, params: list[torch.Tensor]) -> bool:
+        """Whether this engine can update ``params`` of a new ``group``; else the host engine
+        takes over (HostEngine.take_over), as building with that group gives."""
+        return True
+
+    def still_applies(self) -> bool:
+        """Whether every group, as edited or loaded since, still suits this engine; else the
+        host engine takes over."""
+        return True
+
+    @property
+    def takes_amp_scale(self) -> bool:
+        """Whether step() takes a GradScaler's scale itself (torch's ``_step_supports_amp_scaling``):
+        where the gradients are out of the GradScaler's reach (see CPUOffloadOptimizer's)."""
+        return self.scaling.hidden_grads
+
+    @property
+    def keeps_host_weights(self) -> bool:
+        """Whether the slots hold host copies of their weights (a saved master loads there)."""
+        return not self.streams
+
+    def handover(self) -> dict:
+        """What another engine taking over this one's parameters continues with: its slots,
+        inner optimizer, scaling, groups' membership, ownership record and device resources
+        (after finishing any step in flight)."""
+        self.finish()
+        return dict(optimizer=self._optimizer, options=self.options, slots=self.slots, inner=self.inner,
+                    scaling=self.scaling, taken_over=self.taken_over, membership=self._membership,
+                    resources=self.resources, transfers=self.transfers, worker=self.worker, arena=self.arena)
+
     def __init__(self, optimizer: Optimizer, options: Options) -> None:
         self._optimizer = optimizer
         self.options = options

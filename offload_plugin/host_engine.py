@@ -108,13 +108,13 @@ class HostEngine(Engine):
         """The host update from now on, from the streamed engine's state as it is. The
         slots get host copies of their weights (the streamed update keeps none), adopted
         from the parameters at the next step (weight_sync)."""
-        streamed.finish()
-        engine = cls(streamed._optimizer, streamed.options)
-        engine.slots, engine.inner, engine.scaling = streamed.slots, streamed.inner, streamed.scaling
-        engine.taken_over, engine._membership = streamed.taken_over, streamed._membership
-        if streamed.resources is not None:
-            engine.resources, engine.transfers = streamed.resources, streamed.transfers
-            engine.worker, engine.arena = streamed.worker, streamed.arena
+        given = streamed.handover()
+        engine = cls(given["optimizer"], given["options"])
+        engine.slots, engine.inner, engine.scaling = given["slots"], given["inner"], given["scaling"]
+        engine.taken_over, engine._membership = given["taken_over"], given["membership"]
+        if given["resources"] is not None:
+            engine.resources, engine.transfers = given["resources"], given["transfers"]
+            engine.worker, engine.arena = given["worker"], given["arena"]
             engine._build_paths()
         slots = list(engine.slots)
         if slots:

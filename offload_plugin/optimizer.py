@@ -186,7 +186,7 @@ class CPUOffloadOptimizer(Optimizer):
         check_device_share(on_device)
         check_host_only(self.optimizer_cls, self.master_weights, params)
         offloaded = [p for p in params if id(p) not in self._keep_ids]
-        if engine.streams and not streamed.eligible(self.options, self.defaults, group, offloaded):
+        if not engine.accepts(group, offloaded):
             engine = self._engine = HostEngine.take_over(engine)
         engine.attach(group, offloaded, on_device)
         claim(self, params)
@@ -278,7 +278,7 @@ class CPUOffloadOptimizer(Optimizer):
         copy: grad_handle), except those of DTensor parameters, which leave nothing: True
         there, so that it hands its scale to step(), which refuses it with advice
         (unscaling would find no gradient and fail with torch's "No inf checks")."""
-        return self._engine.streams or self._engine.scaling.hidden_grads
+        return self._engine.takes_amp_scale
 
     @property
     def overlapping(self) -> bool:
@@ -306,7 +306,7 @@ class CPUOffloadOptimizer(Optimizer):
         self._engine.check_groups()
         self._kept.warn_unfrozen(self._engine.holds)
         engine = self._engine
-        if engine.streams and not engine.still_applies():
+        if not engine.still_applies():
             engine = self._engine = HostEngine.take_over(engine)  # (a group's fused was switched off)
         engine.step()
         # Its state exists now, or will in a moment (an update that returned early); a

@@ -291,6 +291,17 @@ class StreamedEngine(Engine):
         # state derives from the weight (StateFormat.watches_weights).
         self._weights = WeightTracker(version)
 
+    @property
+    def where_text(self) -> str:
+        return f"with the state in host memory, updated on the device {self.format.kernel_text} (the state streamed through it)"
+
+    @property
+    def takes_amp_scale(self) -> bool:
+        return True  # (the fused kernel divides by the scale: see CPUOffloadOptimizer's)
+
+    def accepts(self, group: dict, params: list[torch.Tensor]) -> bool:
+        return eligible(self.options, self.defaults, group, params)
+
     def still_applies(self) -> bool:
         """Whether every group, as edited or loaded since, still asks for what the format's
         update does here (StateFormat.leaves); else the host update takes over, as building

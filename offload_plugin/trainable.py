@@ -159,9 +159,7 @@ class Kept:
             "skipped %d frozen tensors (%s elements).",
             optimizer_cls.__name__, c["kept"] - c["on_device"],
             f"{c['kept_numel'] - c['on_device_numel']:,}",
-            ("with the state in host memory, updated on the device "
-             + engine.format.kernel_text + " (the state streamed through it)")
-            if engine.streams else "on the host",
+            engine.where_text,
             f" and {c['on_device']} ({c['on_device_numel']:,} elements) on the device"
             if c["on_device"] else "",
             c["frozen"], f"{c['frozen_numel']:,}",
