@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bus.py
 MARKER = "BENCH_HF_RESULT "
 PROGRESS = "BENCH_HF_PROGRESS "
 GIB = 2**30
@@ -123,6 +124,23 @@ class _Timer:
         print(f"{PROGRESS}{what}: {seconds:.2f} s", flush=True)
 
 
+def bus_bytes(optimizer) -> dict:
+    """What one step of ours moves over the bus each way (nothing for HF's optimizers): the
+    streamed state (bench/bus.py, for the in-backward runs), or, with offloaded gradients,
+    each gradient out and each updated weight back."""
+    import bus  # (bench/bus.py, beside this file)
+
+    optimizer = getattr(optimizer, "optimizer", optimizer)  # (Accelerate's wrapper)
+    streamed = bus.streamed_bytes(optimizer)
+    if streamed:
+        return streamed
+    engine = getattr(optimizer, "engine", None)
+    if engine is None or not optimizer.options.offload_gradients:
+        return {}
+    nbytes = sum(slot.param.numel() * slot.param.element_size() for slot in engine.slots)
+    return {"bytes_d2h_per_step": nbytes, "bytes_h2d_per_step": nbytes}
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -196,6 +214,7 @@ def run_single(args) -> dict:
         "peak_gpu_gib": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
         "peak_host_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        **bus_bytes(trainer.optimizer),
     }
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 import weakref
 from typing import Any, Callable, Iterable, Optional
 
@@ -135,6 +136,12 @@ class OptimizerInBackward(Optimizer):
         _log.info("OptimizerInBackward: %d tensors (%s elements), each updated during backward by a "
                   "CPUOffloadOptimizer(%s).", len(self._inner), f"{sum(p.numel() for p in self._inner):,}",
                   ", ".join(f"{k}={v!r}" for k, v in self._options.items()))
+
+    @property
+    def optimizers(self) -> types.MappingProxyType:
+        """Each parameter's ``CPUOffloadOptimizer`` (a read-only view, as torchtune's
+        in-backward wrapper's ``optim_map``): what it holds and moves can be read there."""
+        return types.MappingProxyType(self._inner)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch's, without frozen parameters; each new parameter gets its optimizer and hooks."""

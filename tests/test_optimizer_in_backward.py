@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from offload_plugin import OptimizerInBackward
+from offload_plugin import CPUOffloadOptimizer, OptimizerInBackward
 from reference_twin import batch, make_model, trainable
 
 KWARGS = {"lr": 1e-2, "weight_decay": 0.1}
@@ -130,3 +130,18 @@ def test_what_it_refuses():
     for bad in (0, 1.5, True):
         with pytest.raises(ValueError, match="accumulation_steps"):
             OptimizerInBackward(make_model().parameters(), accumulation_steps=bad, **KWARGS)
+
+
+def test_optimizers_maps_each_trainable_parameter_to_its_own_optimizer_read_only():
+    """``optimizers``: each trainable parameter's CPUOffloadOptimizer, one per parameter, as
+    torchtune's wrapper's optim_map (benchmarks read what each moves there); not writable."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    model[0].bias.requires_grad_(False)
+    opt = OptimizerInBackward(model.parameters(), lr=1e-3)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert list(opt.optimizers) == trainable
+    assert all(isinstance(o, CPUOffloadOptimizer) and o.param_groups[0]["params"] == [p]
+               for p, o in opt.optimizers.items())
+    assert len({id(o) for o in opt.optimizers.values()}) == len(trainable)
+    with pytest.raises(TypeError):
+        opt.optimizers[model[0].bias] = None
