@@ -22,7 +22,7 @@ skip or timeout is recorded and the run goes on.
     python bench/bench_fsdp2.py --tiny --device cpu --tokens-per-step 1024 --seq-len 128 \\
         --grad-accum 2 --steps 3 --warmup 1 --optimizers fsdp_gpu_adamw,offload_grads
 
-Writes JSON (``"kind": "fsdp2"``; default ``bench/results/<date>-fsdp2-<model>-full-<tokens>...``)
+Writes JSON (``"kind": "fsdp2"``; default ``bench/results/fsdp2/<date>-fsdp2-<model>-full-<tokens>...``)
 that ``bench/report.py`` renders with the single-GPU results.
 """
 
@@ -342,7 +342,7 @@ def parent_main(args):
         sys.exit(f"unknown optimizers {unknown}; known: {', '.join(OPTIMIZERS)}")
     date = datetime.date.today().isoformat()
     model = "tiny" if args.tiny else args.model
-    out = args.out or REPO / "bench" / "results" / (
+    out = args.out or REPO / "bench" / "results" / "fsdp2" / (
         f"{date}-fsdp2-{model}-full-{args.tokens_per_step}"
         + (f"-ga{args.grad_accum}" if args.grad_accum > 1 else "")
         + ("-ac" if args.activation_checkpointing else "") + ".json")

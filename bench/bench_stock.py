@@ -279,6 +279,7 @@ def markdown_table(results: dict, base_name: str) -> str:
 
 
 def save(args, results: dict) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"kind": "stock", "settings": {k: str(v) for k, v in vars(args).items()},
                                     "results": results}, indent=1))
 
@@ -303,11 +304,11 @@ def main() -> None:
                    help="cap each run's GPU memory at this many GiB (the caching allocator's "
                         "per_process_memory_fraction), as on a smaller GPU")
     p.add_argument("--out", type=Path, default=None,
-                   help="results JSON (default: bench/results/<date>-stock-<model>-<job>.json)")
+                   help="results JSON (default: bench/results/stock/<date>-stock-<model>-<job>.json)")
     args = p.parse_args()
     if args.job not in MODELS[args.model][1]:
         p.error(f"--model {args.model} has no {args.job} configs here; it has {', '.join(MODELS[args.model][1])}")
-    args.out = args.out or REPO / "bench" / "results" / f"{datetime.date.today()}-stock-{args.model}-{args.job}.json"
+    args.out = args.out or REPO / "bench" / "results" / "stock" / f"{datetime.date.today()}-stock-{args.model}-{args.job}.json"
     names = args.runs.split(",") if args.runs else list(RUNS[args.job])
     args.checkpoint = args.checkpoint or args.work / f"random-{args.model}"
     env = dict(os.environ, PYTHONUNBUFFERED="1")

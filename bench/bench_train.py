@@ -21,8 +21,9 @@ goes on.
     python bench/bench_train.py --tiny --device cpu --job full --tokens-per-step 512 \\
         --seq-len 128 --optimizers gpu_adamw,offload,offload_grads --steps 3 --warmup 1
 
-Prints a markdown table and writes JSON (default ``bench/results/<date>-<model>-<job>-<tokens>.json``);
-``python bench/report.py`` turns every JSON there into one markdown section. Also measures
+Prints a markdown table and writes JSON (default
+``bench/results/train/<date>-<model>-<job>-<tokens>.json``); ``python bench/report.py`` turns
+every JSON under bench/results/ into one markdown section. Also measures
 torch's fused CPU AdamW on flat fp32 tensors (capped at ``--ref-numel-cap`` elements) as the
 host-update speed to compare with. To add an optimizer, add one line to ``OPTIMIZERS``.
 """
@@ -903,7 +904,7 @@ def parent_main(args):
         sys.exit(f"unknown optimizers {unknown}; known: {', '.join(OPTIMIZERS)}")
     date = datetime.date.today().isoformat()
     model = "tiny" if args.tiny else args.model
-    out = args.out or REPO / "bench" / "results" / (
+    out = args.out or REPO / "bench" / "results" / "train" / (
         f"{date}-{model}-{args.job}-{args.tokens_per_step}"
         + (f"-ga{args.grad_accum}" if args.grad_accum > 1 else "")
         + ("-ac" if args.activation_checkpointing else "")

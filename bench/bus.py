@@ -2,7 +2,7 @@
 the pinned host<->GPU copy bandwidth to set it against.
 
 - :func:`bandwidth`: large pinned host buffers copied host->device and device->host in
-  staging-sized pieces (bench/streamed_timeline.py's ``copies``, the streamed update's own
+  staging-sized pieces (:func:`copies`, the streamed update's own
   pattern), each direction alone and both at once on their own streams; GB/s each way.
 - :func:`streamed_bytes`: the bytes one step of ours moves each way, read from the
   optimizer: the streamed engine's state (``opt.engine``: its slots' entries in the inner
@@ -24,13 +24,48 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # offload_plugin, installed or not
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # streamed_timeline
+
+
+def copies(numel: int, chunk: int, tries: int = 3, only: tuple = ("h2d", "d2h", "both")) -> dict:
+    """Two pinned bf16 host buffers of ``numel`` elements (a model's moments) copied host->device
+    and device->host in ``chunk``-element pieces on their own streams, each direction alone and
+    both at once: the best of ``tries`` runs of each, seconds and GB/s each way."""
+    host = [torch.empty(numel, dtype=torch.bfloat16).pin_memory() for _ in range(2)]
+    dev = [torch.empty(chunk, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+    h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def run(up: bool, down: bool) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i, a in enumerate(range(0, numel, chunk)):
+            b = min(numel, a + chunk)
+            for k in range(2):
+                buf = dev[(2 * i + k) % 4][:b - a]
+                if up:
+                    with torch.cuda.stream(h2d):
+                        buf.copy_(host[k][a:b], non_blocking=True)
+                if down:
+                    with torch.cuda.stream(d2h):
+                        host[k][a:b].copy_(dev[(2 * i + k + 2) % 4][:b - a], non_blocking=True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(True, True)
+    nbytes = 2 * numel * 2
+    out = {}
+    for name, up, down in (("h2d", True, False), ("d2h", False, True), ("both", True, True)):
+        if name not in only:
+            continue
+        s = min(run(up, down) for _ in range(tries))
+        out[name] = {"s": round(s, 4), "GB/s each way": round(nbytes / s / 1e9, 1)}
+    return out
 
 
 def bandwidth(gib: float = 4.0, chunk: Optional[int] = None) -> dict:
@@ -38,7 +73,6 @@ def bandwidth(gib: float = 4.0, chunk: Optional[int] = None) -> dict:
     host buffers, as a model's two moments) in pieces of ``chunk`` elements (the streamed
     update's staging size by default); the best of three runs of each."""
     from offload_plugin import streamed
-    from streamed_timeline import copies
 
     if not torch.cuda.is_available():
         raise RuntimeError("the copy bandwidth is measured on a CUDA device")
@@ -56,7 +90,6 @@ def series(gib: float, chunk: Optional[int], count: int) -> list:
     anew, as each run's optimizer state is): GB/s each way per try. The best-of-three of
     :func:`bandwidth` hides what a single placement gets."""
     from offload_plugin import streamed
-    from streamed_timeline import copies
 
     out = []
     for _ in range(count):

@@ -1,11 +1,12 @@
-"""Turn every bench/results/*.json into markdown: bench_train.py's and bench_fsdp2.py's runs,
-then the runs of one table (bench_train.py --label) side by side as the results page shows
-them, bench_stock.py's (torchtune's stock recipes), qlora_ab.py's, bench_hf.py's (HF's Trainer)
-and what_fits.py's.
+"""Turn every JSON under bench/results/ (a folder per table, read with its subfolders) into
+markdown: bench_train.py's and bench_fsdp2.py's runs, then the runs of one table (bench_train.py
+--label) side by side as the results page shows them, bench_stock.py's (torchtune's stock
+recipes), qlora_ab.py's, bench_hf.py's (HF's Trainer) and what_fits.py's.
 
     python bench/report.py                # prints markdown for the README
-    python bench/report.py --results DIR  # another folder
-    python bench/report.py --only '*-issue42.json'  # the files whose names match
+    python bench/report.py --results DIR  # another folder (read with its subfolders)
+    python bench/report.py --results bench/results/stock  # one table's folder
+    python bench/report.py --only '*-issue42.json'  # the files whose names match, in any folder
 """
 
 import argparse
@@ -37,7 +38,8 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--only", default="*.json", help="a file name pattern (default every JSON)")
     args = parser.parse_args()
-    saved = {p.name: json.loads(p.read_text()) for p in sorted(args.results.glob(args.only))}
+    # Every folder below --results (a folder per table); files in name (date) order, named without their folder.
+    saved = {p.name: json.loads(p.read_text()) for p in sorted(args.results.rglob(args.only), key=lambda p: p.name)}
     # bench_train.py's and bench_fsdp2.py's training runs (not bench/pinning.py's, nor bench_hf.py's)
     runs = [dict(run, _file=name) for name, run in saved.items() if "args" in run and run.get("kind") != "hf"]
     print("## Benchmarks\n")

@@ -91,29 +91,30 @@
 #   bash bench/run_h200.sh stock3b  # Llama-3.2-3B: our QLoRA config against the drop-in in two rounds (a 3B random
 #                                   # checkpoint is written first; about 7 minutes: each run takes about 90 s)
 #   bash bench/run_h200.sh stock3bfull  # Llama-3.2-3B full: the config as shipped, the drop-in and ours, 2 rounds (about 5 minutes)
-# Results: bench/results/*.json (this invocation's also copied to $OUT); logs under $OUT.
+# Results: bench/results/<table>/*.json (stock/, train/, fsdp2/, hf/, fits/, formats/, setup/, investigations/;
+# this invocation's also copied to $OUT); logs under $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/offload-plugin-bench}
 mkdir -p "$OUT"
 started=$(mktemp)  # results newer than this are this invocation's
 export PYTHONUNBUFFERED=1
 status=0
-bench() {  # name, args...
-    local name=$1; shift
+bench() {  # results folder (train, formats), name, args...
+    local folder=$1 name=$2; shift 2
     echo "== $name: $*"
-    python3 bench/bench_train.py "$@" --out "bench/results/$(date +%F)-$name.json" >"$OUT/$name.md" 2>"$OUT/$name.log" || status=1
+    python3 bench/bench_train.py "$@" --out "bench/results/$folder/$(date +%F)-$name.json" >"$OUT/$name.md" 2>"$OUT/$name.log" || status=1
     cat "$OUT/$name.md"
 }
 bench_fsdp2() {  # name, args...: like bench(), with bench_fsdp2.py (torchrun per optimizer)
     local name=$1; shift
     echo "== $name: $*"
-    python3 bench/bench_fsdp2.py "$@" --out "bench/results/$(date +%F)-$name.json" >"$OUT/$name.md" 2>"$OUT/$name.log" || status=1
+    python3 bench/bench_fsdp2.py "$@" --out "bench/results/fsdp2/$(date +%F)-$name.json" >"$OUT/$name.md" 2>"$OUT/$name.log" || status=1
     cat "$OUT/$name.md"
 }
 inbwd4k() {  # name, label, args...: issue 42's 4k point (Llama-3.1-8B full, seq 2048, activation
     # checkpointing, in-backward) with AdamW8bit under a 24 GiB cap against torch's AdamW uncapped
     local name=$1 label=$2; shift 2
-    bench "llama3_1_8b-full-4096-ac-24gib-inbwd-$name" --model llama3_1_8b --job full --tokens-per-step 4096 \
+    bench formats "llama3_1_8b-full-4096-ac-24gib-inbwd-$name" --model llama3_1_8b --job full --tokens-per-step 4096 \
         --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd --steps 8 \
         --warmup 2 --child-timeout 100 --ref-numel-cap 0 --label "issue42-inbwd-$label" \
         --targets adamw8bit_in_bwd=0.9 "$@"
@@ -125,28 +126,28 @@ for stage in "$@"; do
     case $stage in
     host)
         python3 -c "from offload_plugin import native_adam as n; k = n.kernel(); print('one-pass kernel:', 'verified' if k else n._state['reason'])"
-        python3 bench/host_update_rate.py --numel $((1 << 28)) 2>&1 | tee "$OUT/host_update_rate.txt"
-        python3 bench/pinning.py --gib 16 --json "bench/results/$(date +%F)-pinning.json" | tee "$OUT/pinning.txt" ;;
+        python3 bench/formats/host_update_rate.py --numel $((1 << 28)) 2>&1 | tee "$OUT/host_update_rate.txt"
+        python3 bench/pinning.py --gib 16 --json "bench/results/setup/$(date +%F)-pinning.json" | tee "$OUT/pinning.txt" ;;
     1b)
-        bench llama3_2_1b-full-4096 --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
+        bench train llama3_2_1b-full-4096 --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
             --measure-host-update --optimizers gpu_adamw,no_update,offload,offload_grads,offload_grads_early,offload_grads_delayed,offload_nomaster,offload_grads_nomaster,offload_grads_nomaster_early,torchao,bnb_paged8bit
-        bench llama3_2_1b-full-4096-clip --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
+        bench train llama3_2_1b-full-4096-clip --model llama3_2_1b --job full --tokens-per-step 4096 --seq-len 2048 \
             --clip-grad-norm 1.0 --measure-host-update --optimizers gpu_adamw,offload_grads,offload_grads_nomaster ;;
     qlora)
-        bench llama3_1_8b-qlora-4096 --model llama3_1_8b --job qlora --tokens-per-step 4096 --seq-len 2048 \
+        bench train llama3_1_8b-qlora-4096 --model llama3_1_8b --job qlora --tokens-per-step 4096 --seq-len 2048 \
             --optimizers gpu_adamw,no_update,offload_grads,torchao ;;
     8b4k)
-        bench llama3_1_8b-full-4096 --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
+        bench train llama3_1_8b-full-4096 --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
             --measure-host-update --steps 5 --optimizers gpu_adamw,no_update,offload_grads_nomaster,offload_grads_nomaster_early,offload_grads_early,torchao,bnb_paged8bit
-        bench llama3_1_8b-full-4096-clip --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
+        bench train llama3_1_8b-full-4096-clip --model llama3_1_8b --job full --tokens-per-step 4096 --seq-len 2048 \
             --clip-grad-norm 1.0 --steps 5 --optimizers gpu_adamw,offload_grads_nomaster ;;
     8b16k)
-        bench llama3_1_8b-full-16384-ga4-ac --model llama3_1_8b --job full --tokens-per-step 16384 --seq-len 2048 \
+        bench train llama3_1_8b-full-16384-ga4-ac --model llama3_1_8b --job full --tokens-per-step 16384 --seq-len 2048 \
             --grad-accum 4 --activation-checkpointing --steps 6 --warmup 2 \
             --optimizers gpu_adamw,no_update,offload_grads_nomaster_devacc_delayed,bnb_paged8bit ;;
     streamed)
-        python3 bench/streamed_timeline.py | tee "$OUT/streamed_timeline.json"
-        python3 bench/step_overhead.py --steps 40 | tee "$OUT/step_overhead.txt"
+        python3 bench/investigations/streamed_timeline.py | tee "$OUT/streamed_timeline.json"
+        python3 bench/investigations/step_overhead.py --steps 40 | tee "$OUT/step_overhead.txt"
         python3 bench/bench_stock.py --job full --model 1b --steps 10 \
             --runs stock_as_shipped,torch_adamw,torchao,ours_stock,ours_stock_no_in_bwd,ours_recipe,ours_recipe_grads_on_gpu \
             | tee "$OUT/stock_1b_full.txt" ;;
@@ -155,14 +156,14 @@ for stage in "$@"; do
         # at 24 GiB, against torchao's offload optimizer (gradients to the host in backward).
         python3 -m pytest tests/test_compact_streamed.py tests/test_gpu_update_kernels.py -q -p no:warnings -rs 2>&1 | tail -6
         for t in 2048 4096; do
-            bench llama3_1_8b-full-$t-ac-24gib-compact-in-bwd --model llama3_1_8b --job full --tokens-per-step $t \
+            bench train llama3_1_8b-full-$t-ac-24gib-compact-in-bwd --model llama3_1_8b --job full --tokens-per-step $t \
                 --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --steps 5 --warmup 2 \
                 --child-timeout 150 --optimizers compact_in_bwd,torchao
         done ;;
     inbwd)
         python3 -m pytest tests/test_streamed_gpu.py tests/test_in_backward.py -q -p no:warnings 2>&1 | tail -3
         for t in 2048 4096; do
-            bench llama3_1_8b-full-$t-ac-24gib-in-bwd --model llama3_1_8b --job full --tokens-per-step $t \
+            bench train llama3_1_8b-full-$t-ac-24gib-in-bwd --model llama3_1_8b --job full --tokens-per-step $t \
                 --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --steps 5 --warmup 2 \
                 --child-timeout 120 --optimizers offload_in_bwd,torchao
         done
@@ -176,10 +177,10 @@ for stage in "$@"; do
             --repeats 3 --steps 16 --warmup 4 --timeout 90 | tee "$OUT/stock_1b_qlora.txt" ;;
     qloraab)
         for i in 1 2 3; do
-            python3 bench/qlora_ab.py --blocks 24 --out "bench/results/$(date +%F)-qlora_ab-$i.json" | tee -a "$OUT/qlora_ab.txt"
+            python3 bench/qlora_ab.py --blocks 24 --out "bench/results/stock/$(date +%F)-qlora_ab-$i.json" | tee -a "$OUT/qlora_ab.txt"
         done ;;
     qlora1bprofile)
-        python3 bench/stock_profile.py --job qlora --runs stock_as_shipped,ours_stock,ours_stock_host_update \
+        python3 bench/investigations/stock_profile.py --job qlora --runs stock_as_shipped,ours_stock,ours_stock_host_update \
             | tee "$OUT/stock_1b_qlora_profile.txt" ;;
     lora8b)
         python3 bench/bench_stock.py --job qlora --model 8b --runs stock_as_shipped,ours_stock --steps 8 --warmup 3 \
@@ -194,7 +195,7 @@ for stage in "$@"; do
             --runs ours_stock,ours_stock_flush_4m,ours_stock_flush_128m,ours_recipe \
             | tee "$OUT/stock_1b_full_inbwd_flush.txt" ;;
     compactgpu)
-        python3 bench/compact_gpu_update.py --check-numel 1049421 | tee "$OUT/compact_gpu_update.txt" ;;
+        python3 bench/formats/compact_gpu_update.py --check-numel 1049421 | tee "$OUT/compact_gpu_update.txt" ;;
     8bstock)
         python3 bench/bench_stock.py --job full --model 8b --steps 5 --warmup 2 --timeout 150 \
             --runs stock_as_shipped,torchao,ours_stock,ours_recipe | tee "$OUT/stock_8b_full.txt" ;;
@@ -213,16 +214,16 @@ for stage in "$@"; do
         for t in 4096 16384; do
             if [ $t = 4096 ]; then targets=adamw8bit_in_bwd=0.9,offload_in_bwd=0.8; limits=(--child-timeout 90 --time-budget 240)
             else targets=adamw8bit_in_bwd=0.97,offload_in_bwd=0.95; limits=(--child-timeout 120 --time-budget 300); fi
-            bench llama3_1_8b-full-$t-ac-24gib-inbwd-issue42 --model llama3_1_8b --job full --tokens-per-step $t \
+            bench formats llama3_1_8b-full-$t-ac-24gib-inbwd-issue42 --model llama3_1_8b --job full --tokens-per-step $t \
                 --seq-len 2048 --activation-checkpointing --gpu-memory-gib 24 --uncapped gpu_adamw_in_bwd \
                 --steps 6 --warmup 2 "${limits[@]}" --ref-numel-cap 0 --bus-json "$OUT/bus.json" --profile-bus \
                 --label issue42-inbwd --targets $targets \
                 --optimizers gpu_adamw_in_bwd,adamw8bit_in_bwd,offload_in_bwd,compact_in_bwd
         done
-        python3 bench/report.py --only "$(date +%F)-llama3_1_8b-full-*-issue42.json" | tee "$OUT/issue42_inbwd.md" ;;
+        python3 bench/report.py --results bench/results/formats --only "$(date +%F)-llama3_1_8b-full-*-issue42.json" | tee "$OUT/issue42_inbwd.md" ;;
     inbwd16kao)
         python3 bench/bus.py --gib 4 --json "$OUT/bus.json" | tee "$OUT/bus.txt"
-        bench llama3_1_8b-full-16384-ac-ao-24gib-inbwd-issue42 --model llama3_1_8b --job full --tokens-per-step 16384 \
+        bench formats llama3_1_8b-full-16384-ac-ao-24gib-inbwd-issue42 --model llama3_1_8b --job full --tokens-per-step 16384 \
             --seq-len 2048 --activation-checkpointing --activation-offloading --gpu-memory-gib 24 \
             --uncapped gpu_adamw_in_bwd --steps 5 --warmup 2 --child-timeout 150 --time-budget 400 --ref-numel-cap 0 \
             --bus-json "$OUT/bus.json" --label issue42-inbwd-16k-ao --targets adamw8bit_in_bwd=0.97,offload_in_bwd=0.95 \
@@ -230,31 +231,31 @@ for stage in "$@"; do
     stock8b8bit)
         python3 bench/bench_stock.py --job full --model 8b --steps 5 --warmup 2 --timeout 150 \
             --runs stock_as_shipped,ours_stock_adamw8bit,ours_stock \
-            --out "bench/results/$(date +%F)-stock-8b-full-adamw8bit.json" | tee "$OUT/stock_8b_full_adamw8bit.txt" ;;
+            --out "bench/results/formats/$(date +%F)-stock-8b-full-adamw8bit.json" | tee "$OUT/stock_8b_full_adamw8bit.txt" ;;
     hf8b)
         # HF's Trainer as its users run it (HF's default clipping), the bus measured in the same call
         python3 bench/bus.py --gib 4 --json "$OUT/bus.json" | tee "$OUT/bus.txt"
         python3 bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 --max-grad-norm 1.0 --steps 4 \
             --warmup 2 --timeout 135 --runs adamw_torch_fused,paged_adamw_8bit,ours_8bit_grads:24,ours_grads:24 \
-            --out "bench/results/$(date +%F)-hf-trainer-llama3_1_8b-4096-clip1.json" | tee "$OUT/hf_8b.txt" ;;
+            --out "bench/results/hf/$(date +%F)-hf-trainer-llama3_1_8b-4096-clip1.json" | tee "$OUT/hf_8b.txt" ;;
     hf3b)
         # DeepSpeed ZeRO-Offload keeps 16 B per parameter in host memory (fp32 master, moments,
         # gradients): 8B would need 128 GB, more than this host has; 3B needs 51
         python3 bench/bus.py --gib 4 --json "$OUT/bus.json" | tee "$OUT/bus.txt"
         python3 bench/bench_hf.py --model llama3_2_3b --tokens-per-step 4096 --max-grad-norm 1.0 --steps 4 \
             --warmup 2 --timeout 170 --runs deepspeed_offload:24,ours_8bit_grads:24,ours_grads:24,adamw_torch_fused \
-            --out "bench/results/$(date +%F)-hf-trainer-llama3_2_3b-4096-clip1.json" | tee "$OUT/hf_3b.txt" ;;
+            --out "bench/results/hf/$(date +%F)-hf-trainer-llama3_2_3b-4096-clip1.json" | tee "$OUT/hf_3b.txt" ;;
     hf8bnoclip)
         python3 bench/bus.py --gib 4 --json "$OUT/bus.json" | tee "$OUT/bus.txt"
         python3 bench/bench_hf.py --model llama3_1_8b --tokens-per-step 4096 --max-grad-norm 0 --steps 4 \
             --warmup 2 --timeout 135 --runs adamw_torch_fused,ours_8bit_inbwd:24,ours_inbwd:24,ours_8bit_grads:24 \
-            --out "bench/results/$(date +%F)-hf-trainer-llama3_1_8b-4096-noclip.json" | tee "$OUT/hf_8b_noclip.txt" ;;
+            --out "bench/results/hf/$(date +%F)-hf-trainer-llama3_1_8b-4096-noclip.json" | tee "$OUT/hf_8b_noclip.txt" ;;
     fits)
         python3 bench/what_fits.py --caps 24,48 --time-budget 540 \
-            --out "bench/results/$(date +%F)-fits-24-48.json" 2>"$OUT/fits_24_48.log" | tee "$OUT/fits_24_48.md" ;;
+            --out "bench/results/fits/$(date +%F)-fits-24-48.json" 2>"$OUT/fits_24_48.log" | tee "$OUT/fits_24_48.md" ;;
     fits80)
         python3 bench/what_fits.py --caps 80 --time-budget 540 \
-            --out "bench/results/$(date +%F)-fits-80.json" 2>"$OUT/fits_80.log" | tee "$OUT/fits_80.md" ;;
+            --out "bench/results/fits/$(date +%F)-fits-80.json" 2>"$OUT/fits_80.log" | tee "$OUT/fits_80.md" ;;
     inbwd4krounds)
         # issue 42's 4k point, AdamW8bit under a 24 GiB cap against torch's AdamW uncapped, in three
         # rounds whose order alternates: single runs of one setting vary by up to 0.2 s a step
@@ -265,11 +266,11 @@ for stage in "$@"; do
         # AdamW8bit's kernel launched with 1, 2, 4 and 8 warps a program (adamw8bit_gpu.WARPS): each checked
         # for the host update's bits and timed alone, then 1 and 4 inside an 8B backward under a 24 GiB cap,
         # in ABBA order (about 4 minutes)
-        python3 bench/adamw8bit_gpu_update.py --warps 1,2,4,8 \
-            --json "bench/results/$(date +%F)-adamw8bit-kernel-warps.json" | tee "$OUT/kernel_warps.txt"
-        python3 bench/inbwd_timeline.py --layers 32 --cap-gib 24 --steps 3 \
+        python3 bench/formats/adamw8bit_gpu_update.py --warps 1,2,4,8 \
+            --json "bench/results/formats/$(date +%F)-adamw8bit-kernel-warps.json" | tee "$OUT/kernel_warps.txt"
+        python3 bench/investigations/inbwd_timeline.py --layers 32 --cap-gib 24 --steps 3 \
             --runs none,gpu_adamw,adamw8bit@4,adamw8bit@1,adamw8bit@1,adamw8bit@4 --profile adamw8bit@4,adamw8bit@1 \
-            --json "bench/results/$(date +%F)-inbwd-timeline-warps.json" 2>"$OUT/timeline_warps.log" \
+            --json "bench/results/investigations/$(date +%F)-inbwd-timeline-warps.json" 2>"$OUT/timeline_warps.log" \
             | tee "$OUT/timeline_warps.txt" ;;
     inbwd4kitem)
         # inbwd4krounds timed as a recipe runs: each step ends at the loss's .item() (the compute stream),
@@ -331,17 +332,17 @@ for stage in "$@"; do
         models=$([ "$stage" = stockqlora1 ] && echo "gemma2_2b mistral_7b" || echo "qwen2_5_7b gemma2_9b")
         for model in $models; do
             python3 bench/bench_stock.py --job qlora --model "$model" --runs ours_stock,ours_recipe --steps 10 \
-                --warmup 3 --timeout 150 --out "bench/results/$(date +%F)-stock-$model-qlora-ours-vs-dropin.json" \
+                --warmup 3 --timeout 150 --out "bench/results/stock/$(date +%F)-stock-$model-qlora-ours-vs-dropin.json" \
                 | tee "$OUT/stock_${model}_qlora.txt"
             rm -rf "/tmp/offload-plugin/stock/random-$model"
         done ;;
     stock3b)
         python3 bench/bench_stock.py --job qlora --model 3b --runs ours_stock,ours_recipe --repeats 2 --steps 12 \
-            --warmup 3 --timeout 100 --out "bench/results/$(date +%F)-stock-3b-qlora-rounds.json" \
+            --warmup 3 --timeout 100 --out "bench/results/stock/$(date +%F)-stock-3b-qlora-rounds.json" \
             | tee "$OUT/stock_3b_qlora_rounds.txt" ;;
     stock3bfull)
         python3 bench/bench_stock.py --job full --model 3b --runs stock_as_shipped,ours_stock,ours_recipe --repeats 2 \
-            --steps 12 --warmup 3 --timeout 120 --out "bench/results/$(date +%F)-stock-3b-full.json" | tee "$OUT/stock_3b_full.txt" ;;
+            --steps 12 --warmup 3 --timeout 120 --out "bench/results/stock/$(date +%F)-stock-3b-full.json" | tee "$OUT/stock_3b_full.txt" ;;
     *) echo "unknown stage $stage"; status=1 ;;
     esac
 done

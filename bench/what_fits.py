@@ -252,7 +252,7 @@ def parse_args(argv=None):
     p.add_argument("--min-attempt-s", type=float, default=60,
                    help="no attempt starts with less than this left of --time-budget")
     p.add_argument("--out", type=Path, default=None,
-                   help="results JSON (default bench/results/<date>-fits-<caps>.json)")
+                   help="results JSON (default bench/results/fits/<date>-fits-<caps>.json)")
     args = p.parse_args(argv)
     args.caps = [float(c) for c in args.caps.split(",") if c.strip()]
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -280,7 +280,7 @@ def main() -> None:
            "settings": {k: v for k, v in vars(args).items() if k != "out"},
            "caps": args.caps, "modes": args.modes, "models": models, "rows": rows}
     print(f"\n### {describe(run)}\n\n{markdown(run)}")
-    out = args.out or REPO / "bench" / "results" / f"{date}-fits-{'-'.join(f'{c:g}' for c in args.caps)}.json"
+    out = args.out or REPO / "bench" / "results" / "fits" / f"{date}-fits-{'-'.join(f'{c:g}' for c in args.caps)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(run, indent=1, default=str) + "\n")
     print(f"\nwrote {out}")

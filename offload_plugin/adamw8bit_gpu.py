@@ -10,7 +10,7 @@ between this optimizer and bitsandbytes: each fp32 operation is one IEEE operati
 order, the moments' multiply-adds fused where torch's CPU kernels fuse them (``tl.fma``)
 and no other multiply-add contracted (``enable_fp_fusion=False``), division and square root
 correctly rounded (``tl.div_rn``, ``tl.sqrt_rn``: Triton's ``/`` and ``tl.sqrt`` are
-approximate on NVIDIA GPUs). bench/adamw8bit_gpu_update.py checks the bits and times the
+approximate on NVIDIA GPUs). bench/formats/adamw8bit_gpu_update.py checks the bits and times the
 kernel; tests/test_gpu_update_kernels.py runs that check, tests/test_adamw8bit.py the streamed
 optimizer's.
 
@@ -33,7 +33,7 @@ _ELEMENTS_32BIT = 1024  # elements per program of the 32-bit kernel
 # block's largest magnitudes in registers, without shared memory or barriers. On the H200 it
 # ran a 32 M-element unit in 0.205 ms against 0.215 (2 warps), 0.244 (4) and 0.377 (8), and
 # took 0.076-0.083 s of GPU time inside an 8B backward against 0.089-0.094 with 4 warps
-# (bench/adamw8bit_gpu_update.py --warps; bench/inbwd_timeline.py "adamw8bit@W").
+# (bench/formats/adamw8bit_gpu_update.py --warps; bench/investigations/inbwd_timeline.py "adamw8bit@W").
 WARPS = 1
 
 

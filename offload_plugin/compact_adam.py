@@ -36,7 +36,7 @@ State layout (:class:`CompactAdamState`, flat 1-D tensors of a parameter's numel
 Conversions: :func:`from_adamw` / :func:`to_adamw` (torch AdamW state), :func:`from_bnb`
 (a bitsandbytes AdamW8bit state entry, translated through its own maps).
 
-Why the master is a remainder, not stochastic rounding: on bench/compact_quality.py's
+Why the master is a remainder, not stochastic rounding: on bench/formats/compact_quality.py's
 bigram runs (tiny Llama, 300 steps, two seeds) the loss curve's mean distance from exact
 AdamW's was 0.0008 with the remainder (as bitsandbytes' AdamW8bit on fp32 masters),
 0.0008-0.0009 with stochastically rounded bf16 weights and 0.08 with plain bf16 weights; at

@@ -10,7 +10,7 @@ reference agree bit for bit), so that a compact state moves freely between the h
 and this one and a resume is exact: every fp32 operation here is one IEEE operation in the
 reference's order, division and square root correctly rounded (``tl.div_rn``,
 ``tl.sqrt_rn``; Triton's ``/`` and ``tl.sqrt`` are approximate on NVIDIA GPUs) and no
-multiply-add contracted (``enable_fp_fusion=False``). bench/compact_gpu_update.py checks
+multiply-add contracted (``enable_fp_fusion=False``). bench/formats/compact_gpu_update.py checks
 the bits of every setting and times it; tests/test_gpu_update_kernels.py runs that check.
 
 Imported only where Triton is (torch's CUDA wheels bring it).
@@ -168,7 +168,7 @@ def step_(state: CompactAdamState, grad: torch.Tensor, maps: GpuMaps, *, lr: flo
           beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
           adamw: bool = True, maximize: bool = False, grad_scale=None, clip_coef=None) -> None:
     """compact_adam.step_ with every tensor of ``state`` and ``grad`` on the GPU (every
-    setting of the kernel: bench/compact_gpu_update.py checks them all)."""
+    setting of the kernel: bench/formats/compact_gpu_update.py checks them all)."""
     state.step += 1
     coeffs = compact_adam._coefficients(lr, beta1, beta2, weight_decay, eps, state.step, adamw,
                                         maximize, grad_scale, clip_coef)

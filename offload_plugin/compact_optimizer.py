@@ -22,7 +22,7 @@ shaped like the parameter), ``exp_avg_absmax`` and ``exp_avg_sq_absmax`` (fp32, 
 bitsandbytes: norms and biases, a negligible share of the memory) keep fp32 state
 instead: ``exp_avg`` and ``exp_avg_sq`` in fp32, updated by torch's fused AdamW on the
 fp32 master. Compressing them too made the loss curve drift further from exact AdamW's
-than bitsandbytes' AdamW8bit's (bench/compact_quality.py). :func:`to_adamw_state_dict` and :func:`from_adamw_state_dict` convert
+than bitsandbytes' AdamW8bit's (bench/formats/compact_quality.py). :func:`to_adamw_state_dict` and :func:`from_adamw_state_dict` convert
 a whole state dict to and from torch's AdamW layout; a bitsandbytes AdamW8bit (or
 PagedAdamW8bit, torchtune's stock full-finetune optimizer) state dict loads as it is, here
 or through CPUOffloadOptimizer. Loading checks every group and entry before changing

@@ -341,7 +341,7 @@ def allocate_moments(slots: list[HostSlot], pin: bool = False) -> None:
     through the moments every step beside the transfers' DMA, and per-tensor allocations
     get few huge pages or none (a bf16 Llama k projection's moment is 2 MiB). With all host
     memory in huge pages, 1B training steps on the H200 machine took 6-8% less time than
-    with default pages (bench/results/*-x2-s7-ab-*). Nothing is touched here:
+    with default pages (bench/results/investigations/*-x2-s7-ab-*). Nothing is touched here:
     pages are faulted in when the state is created (zero-filled) at the first update.
     ``pin``: the streamed update copies them to and from the GPU (page-locked now)."""
     by_dtype: dict[torch.dtype, list[HostSlot]] = {}

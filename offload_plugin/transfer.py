@@ -27,8 +27,9 @@ _H2D = 1  # cudaMemcpyHostToDevice
 
 # Tensors up to this size travel packed with their neighbours. Issuing a copy costs the
 # host 5-15 us, as long as the DMA of ~256 KiB; a few hundred LoRA adapters copied one by
-# one cost a step more than their update (bench/step_overhead.py). Larger tensors keep a
-# copy of their own, so that each update can start as soon as its gradient lands.
+# one cost a step more than their update (bench/investigations/step_overhead.py). Larger
+# tensors keep a copy of their own, so that each update can start as soon as its gradient
+# lands.
 PACK_MAX_BYTES = 1 << 20
 
 # The event Transfers.wait last saw complete. Not a class attribute: replacing one frees the
@@ -108,8 +109,8 @@ class _CudaRuntime:
     training thread runs Python to launch kernels. Through torch, each call (the stream
     switch, each copy, the event) gives the GIL up and waits to get it back: a batch of 1-4
     copies cost 34-98 us alone and 59-171 us beside a thread launching kernels, against
-    14-57 us and 19-75 us this way (bench/copy_issue_cost.py on the H200 machine,
-    bench/results/*-copy_issue_cost.json). Over a Llama-3.1-8B 4k step the
+    14-57 us and 19-75 us this way (bench/investigations/copy_issue_cost.py on the H200 machine,
+    bench/results/investigations/*-copy_issue_cost.json). Over a Llama-3.1-8B 4k step the
     host worker's time issuing copies went from about 0.045 s to 0.02 s (one A/B, traced).
     A separate issuing thread was tried first: steps got no faster and the update ran
     slower beside it (one thread more on the cores that the update's OpenMP team fills).

@@ -1,5 +1,6 @@
 """bench/ scripts end to end on CPU: bench_train.py (a tiny model, numbers in the JSON),
-host_update_rate.py and report.py, as the README names them."""
+formats/host_update_rate.py and report.py, as the README names them; and bench/'s layout, as
+bench/README.md maps it."""
 
 import importlib.util
 import json
@@ -87,13 +88,13 @@ def test_bench_trace_and_its_report(tmp_path):
         for start, landed, done, pushed, numel, order in trace["jobs"]:
             assert start <= landed <= done <= pushed and numel > 0 and order >= 0
     assert "jobs" not in results["gpu_adamw"]["trace"]
-    report = subprocess.run([sys.executable, str(REPO / "bench" / "trace_report.py"), str(out)],
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "investigations" / "trace_report.py"), str(out)],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0, report.stderr[-2000:]
     assert report.stdout.count("| jobs started after |") == 2 and "| 4:opt_step |" in report.stdout
     # The README's example: the committed 8B trace.
-    committed = REPO / "bench" / "results" / "2026-11-30-x2-s6-llama3_1_8b-full-4096.json"
-    report = subprocess.run([sys.executable, str(REPO / "bench" / "trace_report.py"), str(committed)],
+    committed = REPO / "bench" / "results" / "train" / "2026-11-30-x2-s6-llama3_1_8b-full-4096.json"
+    report = subprocess.run([sys.executable, str(REPO / "bench" / "investigations" / "trace_report.py"), str(committed)],
                             capture_output=True, text=True, timeout=120, cwd=REPO)
     assert report.returncode == 0 and "### offload_grads_nomaster_early:" in report.stdout
 
@@ -113,7 +114,7 @@ def test_added_memory_columns_compare_with_the_floor_run():
 def test_host_update_rate_and_report_run(tmp_path):
     """The README's host-rate command (on a small parameter) and the report over the results."""
     rate = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "host_update_rate.py"), "--numel", str(1 << 16),
+        [sys.executable, str(REPO / "bench" / "formats" / "host_update_rate.py"), "--numel", str(1 << 16),
          "--repeats", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert rate.returncode == 0, rate.stderr[-2000:]
     assert "torch AdamW(fused) fp32" in rate.stdout and "offload update" in rate.stdout
@@ -123,7 +124,7 @@ def test_host_update_rate_and_report_run(tmp_path):
     assert report.returncode == 0, report.stderr[-2000:]
     # Every committed training result and stock-recipe result appears (not other
     # benchmarks'), with its ratio column; the stock runs' ratios are over their baseline.
-    saved = [json.loads(p.read_text()) for p in (REPO / "bench" / "results").glob("*.json")]
+    saved = [json.loads(p.read_text()) for p in (REPO / "bench" / "results").rglob("*.json")]
     runs = [r for r in saved if "args" in r or r.get("kind") in ("stock", "fits")]
     labels = {(r["args"]["label"], r["date"]) for r in saved if r.get("args", {}).get("label")}
     assert report.stdout.count("### ") == len(runs) + len(labels)  # (a label's runs: one table more)
@@ -142,7 +143,7 @@ FSDP2_OPTIMIZERS = ["fsdp_gpu_adamw", "offload_grads_nomaster", "offload_grads",
                     reason="no C++ compiler: no native kernels to time")
 def test_compact_update_rate_runs_alternating_rounds():
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "compact_update_rate.py"), "--numel", str(1 << 16),
+        [sys.executable, str(REPO / "bench" / "formats" / "compact_update_rate.py"), "--numel", str(1 << 16),
          "--bnb-numel", str(1 << 12), "--threads", "1", "--rounds", "2", "--repeats", "1"],
         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -191,10 +192,10 @@ def test_bench_fsdp2_tiny_cpu_smoke(tmp_path):
 
 
 def test_host_contention_runs_on_cpu():
-    """bench/host_contention.py (the README cites its figures): on a machine without CUDA it
+    """bench/investigations/host_contention.py (the README cites its figures): on a machine without CUDA it
     times the update alone and next to a pure-Python thread, and says so."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "host_contention.py"), "--numel", str(1 << 18),
+        [sys.executable, str(REPO / "bench" / "investigations" / "host_contention.py"), "--numel", str(1 << 18),
          "--threads", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
     if proc.returncode != 0 and "native bf16 kernel not available" in proc.stderr + proc.stdout:
         pytest.skip("no native kernel here (no C++ compiler)")
@@ -217,12 +218,12 @@ def test_pinning_benchmark_runs_on_the_gpu(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="bench/copy_issue_cost.py issues copies to a CUDA device")
+                    reason="bench/investigations/copy_issue_cost.py issues copies to a CUDA device")
 def test_copy_issue_cost_benchmark_runs_on_the_gpu(tmp_path):
-    """bench/copy_issue_cost.py times both ways of issuing copies, alone and beside a
+    """bench/investigations/copy_issue_cost.py times both ways of issuing copies, alone and beside a
     thread launching kernels."""
     out = tmp_path / "issue.json"
-    run = subprocess.run([sys.executable, str(REPO / "bench" / "copy_issue_cost.py"), "--mib", "1",
+    run = subprocess.run([sys.executable, str(REPO / "bench" / "investigations" / "copy_issue_cost.py"), "--mib", "1",
                           "--pieces", "2", "--reps", "3", "--json", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -233,9 +234,9 @@ def test_copy_issue_cost_benchmark_runs_on_the_gpu(tmp_path):
 
 
 def test_change_check_cost_tiny_cpu_smoke(tmp_path):
-    """bench/change_check_cost.py runs and times the version-counter checks of real steps."""
+    """bench/investigations/change_check_cost.py runs and times the version-counter checks of real steps."""
     out = tmp_path / "check.json"
-    cmd = [sys.executable, str(REPO / "bench" / "change_check_cost.py"), "--tiny", "--device", "cpu",
+    cmd = [sys.executable, str(REPO / "bench" / "investigations" / "change_check_cost.py"), "--tiny", "--device", "cpu",
            "--steps", "3", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -247,7 +248,7 @@ def test_change_check_cost_tiny_cpu_smoke(tmp_path):
 
 
 def test_compact_quality_curves_json_and_svg(tmp_path):
-    """bench/compact_quality.py (docs/performance.md's compact quality table) on a few steps:
+    """bench/formats/compact_quality.py (docs/performance.md's compact quality table) on a few steps:
     every requested variant's loss curve lands in the JSON and as one polyline per panel in
     the SVG, and the product's variants match what they claim to be. CPUOffloadOptimizer
     with CompactAdamW(min_8bit_size=0) is the standalone compact update on every tensor,
@@ -263,7 +264,7 @@ def test_compact_quality_curves_json_and_svg(tmp_path):
     if importlib.util.find_spec("bitsandbytes") is not None:
         variants.append("bnb")
     steps, out, svg = 8, tmp_path / "quality.json", tmp_path / "quality.svg"
-    cmd = [sys.executable, str(REPO / "bench" / "compact_quality.py"), "--steps", str(steps),
+    cmd = [sys.executable, str(REPO / "bench" / "formats" / "compact_quality.py"), "--steps", str(steps),
            "--batch", "4", "--seq", "32", "--lr", "1e-3", "--variants", *variants,
            "--json", str(out), "--svg", str(svg)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -489,10 +490,10 @@ def test_stock_bench_flags_runs_with_skipped_steps():
 
 
 def test_step_overhead_bench_cpu_smoke():
-    """bench/step_overhead.py runs on the CPU, back to back and --cold, at rank 8 (192
+    """bench/investigations/step_overhead.py runs on the CPU, back to back and --cold, at rank 8 (192
     tensors of 5.3M elements in all) and another rank, and times every variant."""
     for extra, elements in (([], 5308416), (["--cold", "--rank", "2"], 5308416 // 4)):
-        proc = subprocess.run([sys.executable, str(REPO / "bench" / "step_overhead.py"), "--steps", "2", *extra],
+        proc = subprocess.run([sys.executable, str(REPO / "bench" / "investigations" / "step_overhead.py"), "--steps", "2", *extra],
                               capture_output=True, text=True, timeout=300, cwd=REPO)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         got = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -503,13 +504,13 @@ def test_step_overhead_bench_cpu_smoke():
 
 
 def test_omp_teams_bench_cpu_smoke():
-    """bench/omp_teams.py times the native update in a host thread with and without the
+    """bench/investigations/omp_teams.py times the native update in a host thread with and without the
     training thread's OpenMP team, and in the training thread itself."""
     from offload_plugin import native_adam
 
     if native_adam.kernel() is None:
         pytest.skip("no native kernel here (no C++ compiler)")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "omp_teams.py"), "--numel", "65536", "--calls", "5"],
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "investigations" / "omp_teams.py"), "--numel", "65536", "--calls", "5"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     got = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -517,9 +518,9 @@ def test_omp_teams_bench_cpu_smoke():
 
 
 def test_launch_rate_bench_cpu_smoke():
-    """bench/launch_rate.py times a burst of small ops after a step of each optimizer (and of
+    """bench/investigations/launch_rate.py times a burst of small ops after a step of each optimizer (and of
     none), relative to none."""
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "launch_rate.py"), "--rounds", "2",
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "investigations" / "launch_rate.py"), "--rounds", "2",
                            "--launches", "50"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     got = json.loads(proc.stdout[proc.stdout.index("{"):])
@@ -790,10 +791,63 @@ def test_bench_hf_keeps_what_a_run_that_timed_out_had_done(tmp_path):
     assert result["error"].startswith("did not finish in 2 s") and isinstance(result["progress"], list)
 
 
+BENCH = REPO / "bench"
+SUBFOLDERS = ("formats", "investigations")  # the scripts not at the top of bench/
+RESULTS = {"stock", "train", "fsdp2", "hf", "setup", "formats", "fits", "investigations"}  # a folder per table
+
+
+def _scripts(folder):
+    return {p.name for p in folder.iterdir() if p.is_file() and p.suffix in (".py", ".sh")}
+
+
+def _named(readme):
+    """The scripts a README names: bench/'s by name, its subfolders' by their path from bench/."""
+    return set(re.findall(rf"`((?:{'|'.join(SUBFOLDERS)})/\w+\.(?:py|sh)|\w+\.(?:py|sh))`", readme.read_text()))
+
+
+def test_bench_top_holds_the_benchmarks_behind_the_tables():
+    """At most a dozen files at the top of bench/ beside its README (the benchmarks behind the
+    results pages' tables and their tools); the rest in formats/ and investigations/."""
+    top = {p.name for p in BENCH.iterdir() if p.is_file()} - {"README.md"}
+    assert len(top) <= 12, sorted(top)
+    assert top == _scripts(BENCH), "only scripts at the top of bench/"
+    folders = {p.name for p in BENCH.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders == {*SUBFOLDERS, "results"}, folders
+
+
 def test_bench_readme_names_every_script():
-    """bench/README.md says what each benchmark script is for, and names none that is gone."""
-    text = (REPO / "bench" / "README.md").read_text()
-    scripts = {p.name for p in (REPO / "bench").glob("*.py")} | {p.name for p in (REPO / "bench").glob("*.sh")}
-    named = set(re.findall(r"`([\w]+\.(?:py|sh))`", text))
+    """bench/README.md says what each script at the top and in formats/ is for (formats/ ones by
+    their path from bench/) and names none that is gone; investigations/README.md does so for its
+    scripts, each with where its answer is documented."""
+    scripts = _scripts(BENCH) | {f"formats/{name}" for name in _scripts(BENCH / "formats")}
+    named = _named(BENCH / "README.md")
     assert scripts - named == set(), "not in bench/README.md"
     assert named - scripts == set(), "named in bench/README.md but gone"
+    assert all(f"`{folder}/`" in (BENCH / "README.md").read_text() for folder in SUBFOLDERS)
+    investigations = BENCH / "investigations" / "README.md"
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+\.py)` \|(.*)$", investigations.read_text(), flags=re.M)}
+    assert set(rows) == _scripts(BENCH / "investigations"), "investigations/README.md: one row per script"
+    for script, row in rows.items():  # (the question, then where its answer is: a page or a module)
+        assert re.search(r"docs/\w+\.md|offload_plugin/\w+\.py", row), f"{script}: where is its answer?"
+    for target in re.findall(r"\]\(([^)#\s]+)", investigations.read_text()):
+        assert (investigations.parent / target).resolve().is_file(), target
+
+
+def test_results_are_grouped_by_the_table_they_feed():
+    """bench/results/ holds a folder per table (each named in bench/README.md) and no loose file;
+    the benchmarks' default outputs go to their table's folder."""
+    results = BENCH / "results"
+    assert not [p.name for p in results.iterdir() if p.is_file()], "files outside a table's folder"
+    assert {p.name for p in results.iterdir() if p.is_dir()} == RESULTS
+    readme = (BENCH / "README.md").read_text()
+    for folder in RESULTS:
+        assert f"`{folder}/`" in readme or f"`results/{folder}/`" in readme, folder
+    for script, folder in (("bench_train.py", "train"), ("bench_stock.py", "stock"), ("bench_fsdp2.py", "fsdp2"),
+                           ("what_fits.py", "fits")):
+        assert f'REPO / "bench" / "results" / "{folder}" /' in (BENCH / script).read_text(), script
+    # run_h200.sh writes each stage's results into a table's folder (bench(): its first argument)
+    stages = (BENCH / "run_h200.sh").read_text()
+    for out in re.findall(r'bench/results(?:/([^\s"/]+))?', stages):
+        assert out in RESULTS | {"$folder", "<table>", ""}, out
+    called = re.findall(r"^\s*bench (\S+) ", stages, flags=re.M)
+    assert called and set(called) <= RESULTS, called

@@ -444,7 +444,7 @@ def test_bitsandbytes_adamw8bit_state_loads(numel, dtype):
 # --- quality -------------------------------------------------------------------------------
 
 def _quality():
-    spec = importlib.util.spec_from_file_location("compact_quality", REPO / "bench" / "compact_quality.py")
+    spec = importlib.util.spec_from_file_location("compact_quality", REPO / "bench" / "formats" / "compact_quality.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -452,7 +452,7 @@ def _quality():
 
 @pytest.mark.slow  # (trains to compare losses: left out of the quick lane)
 def test_training_quality_matches_exact_adamw_and_bitsandbytes():
-    """The demo tiny Llama on a generated bigram task (bench/compact_quality.py), two seeds:
+    """The demo tiny Llama on a generated bigram task (bench/formats/compact_quality.py), two seeds:
     the compact state's final loss is within 1% of exact AdamW's (fp32 master and moments),
     and its loss curve no further from exact's than bitsandbytes' AdamW8bit's (on fp32
     masters) is, summed over the seeds, up to 10% (the seeds alone move it by that much;

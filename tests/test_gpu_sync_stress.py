@@ -5,7 +5,7 @@ a first layer of 4 M weights and little arithmetic (long copies, quick kernels),
 of batch 4 under a cosine schedule. Against ``torch.optim.AdamW()`` (foreach on CUDA) with
 ``assert_close``'s tolerance it fails now and then on torch's rounding alone (fused and
 foreach kernels differ in the last bits, and the next step's gradients amplify that on some
-random draws: bench/sync_stress.py). So the comparison here is bit for bit with the kernel
+random draws: bench/investigations/sync_stress.py). So the comparison here is bit for bit with the kernel
 each mode runs: torch's fused CUDA AdamW for the streamed default, torch's fused CPU AdamW on
 the gradients copied to the host for the host update. Any missed wait (a gradient read
 before backward wrote it, a weight read before the update's copy landed, a moment read

@@ -1,6 +1,6 @@
 """The Triton kernels of the streamed 8-bit formats against their host updates, through the
-bench scripts that check and time them: bench/compact_gpu_update.py (CompactAdamW's update,
-against compact_adam's CPU update) and bench/adamw8bit_gpu_update.py (AdamW8bit's, against
+bench scripts that check and time them: bench/formats/compact_gpu_update.py (CompactAdamW's update,
+against compact_adam's CPU update) and bench/formats/adamw8bit_gpu_update.py (AdamW8bit's, against
 adamw8bit's host update). The same bits on a GPU, and in Triton's interpreter where Triton
 is installed (CI's CPU machines have no Triton; torch's CUDA wheels bring it)."""
 
@@ -20,7 +20,7 @@ TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
 
 
 def _run(script, *args, env=None):
-    return subprocess.run([sys.executable, str(REPO / "bench" / script), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(REPO / "bench" / "formats" / script), *args], capture_output=True, text=True,
                           timeout=600, cwd=REPO, env=dict(os.environ, **(env or {})))
 
 

@@ -1,8 +1,8 @@
 """Every command in README.md and docs/*.md is run here, or, where it needs a download or a GPU, checked.
 
 Commands that only need this repository (the demo configs, torchtune's stock recipes on the
-tests' tiny configs, the resume example, bench/report.py, trace_report.py on a committed
-result) run verbatim; commands for the real-model configs are checked for the files and
+tests' tiny configs, the resume example, bench/report.py, bench/investigations/trace_report.py on a
+committed result) run verbatim; commands for the real-model configs are checked for the files and
 torchtune names they use; benchmark commands for the scripts, flags, stages and optimizer names
 they use. Links between the pages must reach a file and a section; the pages keep to their
 lengths and carry no run diaries.
@@ -126,7 +126,8 @@ def _runs_here(command):
     """Commands that need only this repository and a CPU, and finish in seconds."""
     words = shlex.split(command)
     return words[:2] in (["python", "bench/report.py"], ["python3", "bench/report.py"],
-                         ["python", "bench/trace_report.py"], ["python3", "bench/trace_report.py"])
+                         ["python", "bench/investigations/trace_report.py"],
+                         ["python3", "bench/investigations/trace_report.py"])
 
 
 def _without_launchers(words):

@@ -9,8 +9,8 @@
 // Per element this reads 8 bytes and writes 6 (the fp32-master update moves 28-30), so
 // where memory bandwidth bounds both it could run at up to twice that update's rate. On
 // the 16-core Xeon host measured it runs about 1.5x, bound not by memory but by the table
-// lookups of decoding and quantizing, four gathers per 16 elements (bench/
-// compact_update_rate.py; docs/formats.md#compact says where the time goes).
+// lookups of decoding and quantizing, four gathers per 16 elements
+// (bench/formats/compact_update_rate.py; docs/formats.md#compact says where the time goes).
 //
 // Block-wise 8-bit moments follow Dettmers et al., "8-bit Optimizers via Block-wise
 // Quantization" (2022): each block of 256 values is divided by its absolute maximum and

@@ -39,8 +39,8 @@ It prints each one's final loss (mean of the last 20 steps) against exact's and 
 curve's mean absolute distance from exact's, and writes the curves as JSON (--json) and
 an SVG plot (--svg, hand-written: no plotting dependency).
 
-    python bench/compact_quality.py --steps 300 --lr 1e-3 3e-4
-    python bench/compact_quality.py --data demo --steps 300 --lr 2e-3 --batch 8 --clip 1.0 \\
+    python bench/formats/compact_quality.py --steps 300 --lr 1e-3 3e-4
+    python bench/formats/compact_quality.py --data demo --steps 300 --lr 2e-3 --batch 8 --clip 1.0 \\
         --json demo.json --svg demo.svg
 """
 

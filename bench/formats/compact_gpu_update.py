@@ -5,8 +5,8 @@ The check covers the settings the streamed update does not use too (Adam's L2 de
 gradient scale, clipping, maximize, no masters), so that the kernel stays the CPU update's
 twin in all of them.
 
-    python bench/compact_gpu_update.py                           # on a GPU: check, then time
-    TRITON_INTERPRET=1 python bench/compact_gpu_update.py --cpu  # the check alone, on the CPU
+    python bench/formats/compact_gpu_update.py                           # on a GPU: check, then time
+    TRITON_INTERPRET=1 python bench/formats/compact_gpu_update.py --cpu  # the check alone, on the CPU
 """
 
 import argparse

@@ -24,8 +24,8 @@ without probes (does the mismatch come back bit for bit?), then ours with the pr
 differing element (up to --max-elements) is written out with both twins' weights, gradients
 at each step and, for the first layer, the pre-activations of its unit.
 
-    python bench/sync_stress.py --trials 200 --seconds 300        # on a GPU; JSON to $OUT
-    python bench/sync_stress.py --device cpu --width 4096 --trials 4   # a dry run
+    python bench/investigations/sync_stress.py --trials 200 --seconds 300        # on a GPU; JSON to $OUT
+    python bench/investigations/sync_stress.py --device cpu --width 4096 --trials 4   # a dry run
 
 Configurations alternate over the seeds: frozen layer 2 (torchao's code) or 4 (its comment),
 and 1 or 2 micro-batches per step.

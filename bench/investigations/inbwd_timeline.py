@@ -11,7 +11,7 @@ bound on gradients in flight); flushes and units per step. With ``--profile``, o
 step under torch.profiler (CUDA activity): per stream the busy seconds and the count of
 kernels and copies, and the tail from the last compute kernel to the last copy.
 
-    python bench/inbwd_timeline.py --layers 32 --cap-gib 24 --profile adamw8bit \\
+    python bench/investigations/inbwd_timeline.py --layers 32 --cap-gib 24 --profile adamw8bit \\
         --json /tmp/inbwd_timeline.json          # on the GPU machine
 """
 
@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: offload_plugin, installed or not
 
 from offload_plugin import CPUOffloadOptimizer, adamw8bit_streamed, streamed  # noqa: E402
 

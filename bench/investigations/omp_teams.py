@@ -10,20 +10,23 @@ On a GPU machine the host worker keeps its thread, and an 8B step runs about 2,0
 native calls of 4 Mi elements there; this measures what each costs with and without the
 training thread's team. Run on the GPU machine (or anywhere):
 
-    python bench/omp_teams.py
+    python bench/investigations/omp_teams.py
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from offload_plugin import native_adam
 
-from host_update_rate import _in_thread  # a fresh thread with its own thread count, as the host worker
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # host_update_rate.py
+from host_update_rate import _in_thread  # noqa: E402  (a fresh thread with its own thread count, as the host worker)
 
 
 def time_calls(kernel, tensors, calls: int, threads: int, gap_s: float) -> float:

@@ -12,17 +12,20 @@ plus its finiteness check, on a worker thread, alone and next to each thing trai
 
 for several worker thread counts. Prints G params/s per case.
 
-    python bench/host_contention.py --numel 268435456 --threads 15,14,12
+    python bench/investigations/host_contention.py --numel 268435456 --threads 15,14,12
 """
 
 import argparse
+import sys
 import threading
+from pathlib import Path
 
 import torch
 
-from host_update_rate import _in_thread, _timed  # bench/ is on sys.path when run as a script
-from offload_plugin import native_adam
-from offload_plugin.grad_checks import all_finite
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # host_update_rate.py
+from host_update_rate import _in_thread, _timed  # noqa: E402
+from offload_plugin import native_adam  # noqa: E402
+from offload_plugin.grad_checks import all_finite  # noqa: E402
 
 
 def _on_worker(fn, threads):

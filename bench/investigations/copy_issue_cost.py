@@ -7,7 +7,7 @@ through the CUDA runtime with the GIL held (``runtime``, the default) and throug
 ``copy_`` (``torch``), with the rest of the process idle and beside a thread launching
 small kernels in a loop (``busy_neighbour``).
 
-    python bench/copy_issue_cost.py --json out.json
+    python bench/investigations/copy_issue_cost.py --json out.json
 """
 
 import argparse

@@ -5,8 +5,8 @@ every check of the parameters' version counters (``changed_slots``, and ``adopt_
 should one have changed) against the whole step. Also times one check over Llama-3.1-8B's parameter count (291
 tensors; built small, since the check reads no data).
 
-    python bench/change_check_cost.py --model llama3_2_1b --steps 8
-    python bench/change_check_cost.py --tiny --device cpu --steps 3      # smoke test
+    python bench/investigations/change_check_cost.py --model llama3_2_1b --steps 8
+    python bench/investigations/change_check_cost.py --tiny --device cpu --steps 3      # smoke test
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: offload_plugin, installed or not
 from offload_plugin import CPUOffloadOptimizer  # noqa: E402
 from offload_plugin import host_engine as engine_module  # noqa: E402
 

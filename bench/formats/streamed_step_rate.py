@@ -10,7 +10,7 @@ step time is the median of ``--steps`` after two warm-up steps, each ended by
 from the optimizer), the step time, the transfers' floor at the measured bandwidth (both
 directions at once) and the share of the bus the step used.
 
-    python bench/streamed_step_rate.py --layers 8 --json /tmp/step_rate.json   # on the GPU machine
+    python bench/formats/streamed_step_rate.py --layers 8 --json /tmp/step_rate.json   # on the GPU machine
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: offload_plugin, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: bus.py
 
 import bus  # noqa: E402
 from offload_plugin import CPUOffloadOptimizer  # noqa: E402

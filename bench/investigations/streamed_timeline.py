@@ -4,57 +4,29 @@ with a plain step after backward.
 
 1. ``copies``: the moments of a model of ``--numel`` bf16 parameters (4 bytes each way per
    parameter) copied host->device and device->host in staging-sized pieces, each direction
-   alone and both at once: the floor for the streamed update's time.
-2. ``lora``: bench/step_overhead.py's 192 LoRA adapters, one step traced likewise.
+   alone and both at once (bench/bus.py's ``copies``): the floor for the streamed update's time.
+2. ``lora``: bench/investigations/step_overhead.py's 192 LoRA adapters, one step traced likewise.
 3. ``step``: the 1B model (random init, bf16, 2 x 2048 tokens), traced with torch.profiler
    over one step after warm-up: step time, GPU time in kernels and in copies each way, and
    the achieved bytes/s.
 
-    python bench/streamed_timeline.py                 # both, on the GPU machine
-    python bench/streamed_timeline.py --chunk 4194304 # a smaller staging buffer
+    python bench/investigations/streamed_timeline.py                 # both, on the GPU machine
+    python bench/investigations/streamed_timeline.py --chunk 4194304 # a smaller staging buffer
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from offload_plugin import CPUOffloadOptimizer, streamed
-
-
-def copies(numel: int, chunk: int, tries: int = 3, only: tuple = ("h2d", "d2h", "both")) -> dict:
-    host = [torch.empty(numel, dtype=torch.bfloat16).pin_memory() for _ in range(2)]
-    dev = [torch.empty(chunk, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
-    h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def run(up: bool, down: bool) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i, a in enumerate(range(0, numel, chunk)):
-            b = min(numel, a + chunk)
-            for k in range(2):
-                buf = dev[(2 * i + k) % 4][:b - a]
-                if up:
-                    with torch.cuda.stream(h2d):
-                        buf.copy_(host[k][a:b], non_blocking=True)
-                if down:
-                    with torch.cuda.stream(d2h):
-                        host[k][a:b].copy_(dev[(2 * i + k + 2) % 4][:b - a], non_blocking=True)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
-    run(True, True)
-    nbytes = 2 * numel * 2
-    out = {}
-    for name, up, down in (("h2d", True, False), ("d2h", False, True), ("both", True, True)):
-        if name not in only:
-            continue
-        s = min(run(up, down) for _ in range(tries))
-        out[name] = {"s": round(s, 4), "GB/s each way": round(nbytes / s / 1e9, 1)}
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: bus.py
+from bus import copies  # noqa: E402  (pinned copies in staging-sized pieces, as the streamed update's)
+from offload_plugin import CPUOffloadOptimizer, streamed  # noqa: E402
 
 
 def _trace(one) -> dict:
@@ -84,7 +56,7 @@ def _trace(one) -> dict:
 
 
 def lora_step() -> dict:
-    """bench/step_overhead.py's 192 rank-8 adapters: one step() until the weights are back."""
+    """step_overhead.py's 192 rank-8 adapters: one step() until the weights are back."""
     from step_overhead import adapters
 
     params = adapters(torch.device("cuda"), 8)

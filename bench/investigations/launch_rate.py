@@ -9,8 +9,8 @@ of each optimizer over Llama-3.2-1B's LoRA adapters (``step_overhead.adapters``)
 after a step with no optimizer at all, alternating the variants round by round. Run on
 the GPU machine (on the CPU the "launches" are small CPU ops):
 
-    python bench/launch_rate.py
-    python bench/launch_rate.py --rank 64 --gap-ms 5
+    python bench/investigations/launch_rate.py
+    python bench/investigations/launch_rate.py --rank 64 --gap-ms 5
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ updated, bf16 weight out) for several chunk sizes and thread counts, on one para
 per parameter when every byte is moved once: bf16 grad read, fp32 master/exp_avg/exp_avg_sq
 read and written, bf16 weight written).
 
-    python bench/host_update_rate.py --numel 268435456
+    python bench/formats/host_update_rate.py --numel 268435456
 
 "one pass" is offload_plugin.native_adam's kernel (what the optimizer uses when it could
 build and verify it); "torch, 3 passes" is the fallback through torch's fused kernel.

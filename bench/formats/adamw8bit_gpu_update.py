@@ -7,8 +7,8 @@ kernel's time adds to the step's. With ``--probe``, where that time goes: the ke
 timed with one part replaced by something cheap (and wrong), and in tiles of several blocks
 a program.
 
-    python bench/adamw8bit_gpu_update.py --json /tmp/rate.json   # on a GPU: check, then time
-    TRITON_INTERPRET=1 python bench/adamw8bit_gpu_update.py --cpu  # the check alone, on the CPU
+    python bench/formats/adamw8bit_gpu_update.py --json /tmp/rate.json   # on a GPU: check, then time
+    TRITON_INTERPRET=1 python bench/formats/adamw8bit_gpu_update.py --cpu  # the check alone, on the CPU
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: offload_plugin, installed or not
 
 from offload_plugin import adamw8bit  # noqa: E402
 from offload_plugin.adamw8bit import BLOCK  # noqa: E402

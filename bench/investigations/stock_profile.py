@@ -5,7 +5,7 @@ in our optimizer's step/zero_grad and in torchtune's backward, and per GPU strea
 time and the span of its work.
 
     # on the GPU machine, after bench/bench_stock.py made the checkpoint and data
-    python bench/stock_profile.py --runs ours_stock,ours_stock_no_in_bwd
+    python bench/investigations/stock_profile.py --runs ours_stock,ours_stock_no_in_bwd
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: bench_stock.py
 import bench_stock  # noqa: E402
 
 

@@ -11,8 +11,8 @@ of other host memory and sleeps 0.2 s before each step, as a training loop does 
 steps (that config steps every 1.4 s): the update's state is then out of the CPU's
 caches and its cores idle, which back-to-back steps do not show. Run on the GPU machine:
 
-    python bench/step_overhead.py
-    python bench/step_overhead.py --rank 64 --cold
+    python bench/investigations/step_overhead.py
+    python bench/investigations/step_overhead.py --rank 64 --cold
 """
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ On one parameter of --numel elements, at the same thread count, times in alterna
 
 and prints G params/s, the GB/s each one's bytes per parameter imply, the ratio to the
 exact update, and the host's bandwidth measured two ways: torch's fp32 copy (the figure
-bench/host_update_rate.py prints) and native_adam.add_ on bf16 (one read-modify-write
+bench/formats/host_update_rate.py prints) and native_adam.add_ on bf16 (one read-modify-write
 stream plus one read stream, as the updates are).
 
-    python bench/compact_update_rate.py --numel 268435456            # the GPU host
-    python bench/compact_update_rate.py --numel 16777216 --repeats 3  # a laptop
+    python bench/formats/compact_update_rate.py --numel 268435456            # the GPU host
+    python bench/formats/compact_update_rate.py --numel 16777216 --repeats 3  # a laptop
 """
 
 import argparse

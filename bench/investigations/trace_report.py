@@ -1,6 +1,6 @@
 """Where the host's time goes in a `bench_train.py --trace` run.
 
-    python bench/trace_report.py bench/results/2026-11-30-x2-s6-llama3_1_8b-full-4096.json
+    python bench/investigations/trace_report.py bench/results/train/2026-11-30-x2-s6-llama3_1_8b-full-4096.json
 
 For each traced optimizer of ours: the main thread's marks over the last two steps (host
 time, and when the GPU reached them), then the host update jobs grouped by the mark they
