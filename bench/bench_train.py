@@ -170,7 +170,7 @@ def _ours_in_bwd(model, args, **kw):
 def _host_update(make):
     """``make`` with the streamed update switched off: the host update, for comparison."""
     def build(*args):
-        from offload_plugin import streamed
+        from offload_plugin.engines import streamed
 
         streamed.config.enabled = False  # (each optimizer runs in a process of its own)
         return make(*args)
@@ -288,7 +288,7 @@ def skip_reason(name, args):
 def _check_host_memory(trainable, args, offload_gradients=False, master_weights=True,
                        delayed_update=False, accumulate_on_device=False):
     """Warn early instead of meeting the OOM killer after minutes of pinning."""
-    from offload_plugin import host_memory
+    from offload_plugin.host import memory as host_memory
 
     extra = 2 if offload_gradients and delayed_update else 0  # spare + landing buffers
     if offload_gradients and args.grad_accum > 1 and not extra and not master_weights:
@@ -433,7 +433,7 @@ def run_single(args, name):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * GIB / total))
     if args.cpu_streamed:  # (smoke tests: the streamed engine's code on the host, as tests/ run it)
-        from offload_plugin import streamed
+        from offload_plugin.engines import streamed
 
         streamed.config.on_cpu = True
     if dev == "cuda":

@@ -72,7 +72,7 @@ def bandwidth(gib: float = 4.0, chunk: Optional[int] = None) -> dict:
     """Pinned copy bandwidth on the current CUDA device: ``gib`` GiB each way (two bf16
     host buffers, as a model's two moments) in pieces of ``chunk`` elements (the streamed
     update's staging size by default); the best of three runs of each."""
-    from offload_plugin import streamed
+    from offload_plugin.engines import streamed
 
     if not torch.cuda.is_available():
         raise RuntimeError("the copy bandwidth is measured on a CUDA device")
@@ -89,7 +89,7 @@ def series(gib: float, chunk: Optional[int], count: int) -> list:
     """Both directions at once, ``count`` times, each on newly pinned host buffers (placed
     anew, as each run's optimizer state is): GB/s each way per try. The best-of-three of
     :func:`bandwidth` hides what a single placement gets."""
-    from offload_plugin import streamed
+    from offload_plugin.engines import streamed
 
     out = []
     for _ in range(count):
@@ -122,7 +122,7 @@ def state_like(gib: float, blocks: int, count: int, method: str = "ours", chunk_
     asks."""
     import time
 
-    from offload_plugin import host_buffers
+    from offload_plugin.host import buffers as host_buffers
 
     out = []
     per = int(gib * 2**30) // blocks

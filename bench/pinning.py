@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from offload_plugin.host_buffers import _advise_huge_pages
+from offload_plugin.host.buffers import _advise_huge_pages
 
 
 def _register(block):

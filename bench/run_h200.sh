@@ -125,7 +125,7 @@ alternating() {  # round number: the two runs' order, alternating from round to 
 for stage in "$@"; do
     case $stage in
     host)
-        python3 -c "from offload_plugin import native_adam as n; k = n.kernel(); print('one-pass kernel:', 'verified' if k else n._state['reason'])"
+        python3 -c "from offload_plugin.formats.adamw import native as n; k = n.kernel(); print('one-pass kernel:', 'verified' if k else n._state['reason'])"
         python3 bench/formats/host_update_rate.py --numel $((1 << 28)) 2>&1 | tee "$OUT/host_update_rate.txt"
         python3 bench/pinning.py --gib 16 --json "bench/results/setup/$(date +%F)-pinning.json" | tee "$OUT/pinning.txt" ;;
     1b)

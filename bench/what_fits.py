@@ -66,7 +66,8 @@ def _meta_params(args, model: str) -> list:
 
 def _host_state_bytes(mode: str, params: list) -> tuple[int, str]:
     """The mode's host state for ``params``: its state format's bytes per element, summed."""
-    from offload_plugin import inner, options, state_formats
+    from offload_plugin import options
+    from offload_plugin.formats import inner, registry as state_formats
 
     try:
         cls = options.resolve_optimizer_cls(MODES[mode][1])

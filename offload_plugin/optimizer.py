@@ -16,16 +16,18 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin import checkpoint, host_memory, streamed
-from offload_plugin.checkpoint_compat import TORCHAO_MINIMAL_SIZE
-from offload_plugin.device_share import choose_kept
-from offload_plugin.engine import Engine
-from offload_plugin.host_engine import HostEngine
+from offload_plugin.checkpoint import state_dict as checkpoint
+from offload_plugin.checkpoint.torchao import TORCHAO_MINIMAL_SIZE
+from offload_plugin.engines import streamed
+from offload_plugin.engines.base import Engine
+from offload_plugin.engines.device_share import choose_kept
+from offload_plugin.engines.host import HostEngine
+from offload_plugin.host import memory as host_memory
 from offload_plugin.options import (
     Options, check_amp_scaler, check_device_share, check_host_only, check_overlap, check_trainable,
 )
+from offload_plugin.engines.schedules import early_forward
 from offload_plugin.ownership import check_not_taken_over, claim
-from offload_plugin.schedules import early_forward
 from offload_plugin.state_view import StateView
 from offload_plugin.trainable import Kept
 

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from offload_plugin.grad_handle import is_unit_factor, is_whole_2_norm
+from offload_plugin.host.grad_handle import is_unit_factor, is_whole_2_norm
 from offload_plugin.optimizer import CPUOffloadOptimizer
 
 __all__ = ["AppliedGrad", "OptimizerInBackward"]

@@ -3,9 +3,9 @@ message, and the table of how they combine (``COMBINATIONS``).
 
 ``COMBINATIONS`` is the one place that says which combinations of options, parameters and
 calls are refused (and what to do instead), and which update engine runs the others: the
-*streamed* engine (``offload_plugin.streamed``: the state in host memory, updated on the
+*streamed* engine (``offload_plugin.engines.streamed``: the state in host memory, updated on the
 GPU) or the *host* engine (``optimizer_cls.step`` on host copies; its step schedules are
-chosen in ``offload_plugin.schedules``). The functions below apply it where each rule can be
+chosen in ``offload_plugin.engines.schedules``). The functions below apply it where each rule can be
 judged: :class:`Options` at construction, :func:`check_device_share` and
 :func:`check_host_only` for each parameter group, :func:`engine_for` to choose a group's
 engine, :func:`check_overlap` in ``overlap_next_step()`` and :func:`check_amp_scaler` in
@@ -29,8 +29,9 @@ import torch
 from torch.optim import Optimizer
 
 from offload_plugin.distributed import DTensor
-from offload_plugin.grad_checks import NONFINITE_POLICIES
-from offload_plugin.inner import contract
+from offload_plugin.formats import registry
+from offload_plugin.formats.inner import contract
+from offload_plugin.host.grad_checks import NONFINITE_POLICIES
 
 __all__ = [
     "Options", "OWN_OPTIONS", "resolve_optimizer_cls", "check_trainable", "Rule", "COMBINATIONS",
@@ -141,7 +142,7 @@ def resolve_optimizer_cls(optimizer_cls: Union[str, type]) -> type:
         raise TypeError(
             f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}"
         )
-    contract(optimizer_cls)  # (what it declares for the offload optimizer, checked: offload_plugin.inner)
+    contract(optimizer_cls)  # (what it declares for the offload optimizer, checked: offload_plugin.formats.inner)
     for unsupported, why in _UNSUPPORTED.items():
         if issubclass(optimizer_cls, unsupported):
             raise ValueError(
@@ -225,6 +226,9 @@ _WHEN = {
 # Every rule about how options, parameters and calls combine. Each check reads its own rows
 # in order; the first row whose condition holds decides (engine_for falls through to the
 # streamed engine only at its last row). The comments say why a rule exists.
+# The state families' own optimizers (bf16_host_only), as the rows name them.
+_OWN = registry.optimizer_names()
+
 COMBINATIONS: tuple[Rule, ...] = (
     # Without offload_gradients the gradients stay on the device anyway: nothing to accumulate
     # there instead of on the host.
@@ -233,7 +237,7 @@ COMBINATIONS: tuple[Rule, ...] = (
          "accumulate_on_device=True only applies with offload_gradients=True (without "
          "it, gradients stay on the device anyway)."),
     # CompactAdamW and AdamW8bit (bf16_host_only) have no device implementation for the kept share.
-    Rule("Options", "`device_fraction` with `CompactAdamW` or `AdamW8bit`", REFUSED,
+    Rule("Options", f"`device_fraction` with {_OWN}", REFUSED,
          lambda f: f.device_fraction and f.host_only,
          "optimizer_cls={cls} updates host tensors only; it "
          "does not combine with device_fraction. Use device_fraction=0."),
@@ -244,7 +248,7 @@ COMBINATIONS: tuple[Rule, ...] = (
          "device_fraction is not supported with DTensor (FSDP2) parameters yet; "
          "use device_fraction=0."),
     # CompactAdamW and AdamW8bit keep one fp32 scale per block of a row: a shard must hold whole rows.
-    Rule("check_host_only", "`CompactAdamW` or `AdamW8bit` with DTensor parameters sharded other than by rows",
+    Rule("check_host_only", f"{_OWN} with DTensor parameters sharded other than by rows",
          REFUSED, lambda f: f.host_only and f.placements is not None,
          "a parameter is sharded as {placements}: state kept per row (8-bit state's "
          "block scales) needs parameters sharded along dim 0 only, as FSDP2's fully_shard "
@@ -259,7 +263,7 @@ COMBINATIONS: tuple[Rule, ...] = (
          "AdamW8bit, CompactAdamW, SGD, ...)."),
     # CompactAdamW's master is the bf16 weight plus its own 16-bit remainder; AdamW8bit is
     # bitsandbytes' update on the bf16 weight itself.
-    Rule("check_host_only", "`CompactAdamW` or `AdamW8bit` with parameters not bf16, or `master_weights`",
+    Rule("check_host_only", f"{_OWN} with parameters not bf16, or `master_weights`",
          REFUSED, lambda f: f.host_only and (f.master_weights or set(f.dtypes) - {"torch.bfloat16"}),
          "optimizer_cls={cls} updates bf16 host copies and keeps the master itself: it "
          "needs bf16 parameters (got {dtypes_list}) and master_weights=False (the "
@@ -293,10 +297,9 @@ COMBINATIONS: tuple[Rule, ...] = (
     # A format's kernel may take no scale to divide by (CompactAdamW's: bf16 needs no loss
     # scaling); torch's fused AdamW kernel divides by it.
     Rule("check_amp_scaler", "torch.amp `GradScaler` on the streamed engine with a state format "
-         "whose kernel takes no scale (`CompactAdamW`'s, `AdamW8bit`'s)",
+         f"whose kernel takes no scale ({_OWN})",
          REFUSED, lambda f: f.grad_scale is not None and not f.format_takes_scale and f.engine == STREAMED,
-         "CPUOffloadOptimizer: the streamed update of this optimizer_cls (CompactAdamW, "
-         "AdamW8bit) takes no GradScaler scale (its parameters are bf16, which needs no loss scaling): leave the GradScaler "
+         "CPUOffloadOptimizer: the streamed update of optimizer_cls={cls} takes no GradScaler scale (its parameters are bf16, which needs no loss scaling): leave the GradScaler "
          "out, or unscale the gradients with scaler.unscale_(optimizer) first. Nothing "
          "was updated."),
     # The engines: the first row that holds decides. The streamed engine is torch's fused
@@ -379,10 +382,8 @@ def engine_for(options: Options, settings: dict, params: list[torch.Tensor], *, 
     The device's facts are inputs: ``kept_on_device`` (device_fraction keeps some parameters
     on the device), ``streaming_on`` (the streamed engine is switched on), ``device_streams``
     (the parameters are where its kernels run) and ``on_cpu`` (tests run them on the host)."""
-    from offload_plugin import state_formats  # (its formats' modules import this one's users)
-
     cls = options.optimizer_cls
-    fmt = state_formats.for_optimizer(contract(cls), cls)
+    fmt = registry.for_optimizer(contract(cls), cls)
     plain = all((type(p) is torch.nn.Parameter or type(p) is torch.Tensor) and p.is_contiguous()
                 for p in params)
     return _apply(
@@ -409,7 +410,8 @@ def check_amp_scaler(options: Options, grad_scale: Optional[torch.Tensor], engin
     if grad_scale is None:  # (every step asks, one optimizer per parameter under optimizer_in_bwd)
         return
     _apply("check_amp_scaler", grad_scale=grad_scale, offload_gradients=options.offload_gradients,
-           format_takes_scale=format_takes_scale, engine=engine, hidden_grads=hidden_grads)
+           format_takes_scale=format_takes_scale, engine=engine, hidden_grads=hidden_grads,
+           cls=getattr(options.optimizer_cls, "__name__", options.optimizer_cls))
 
 
 def combinations_markdown() -> str:

@@ -8,7 +8,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from offload_plugin.engine import Engine
+from offload_plugin.engines.base import Engine
 
 __all__ = ["HostEntry", "StateView"]
 

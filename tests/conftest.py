@@ -1,6 +1,6 @@
 """The tests run CPU parameters through the host worker's thread, as GPU users' parameters
 run (CI has no GPU); by default parameters on the CPU update in the training thread
-instead (offload_plugin.process). Tests of that path take the ``cpu_inline`` fixture;
+instead (offload_plugin.host.process). Tests of that path take the ``cpu_inline`` fixture;
 tests that start their own processes (recipes, the README's commands) get it too, but
 the FSDP2 ranks of test_dtensor.py, which stand in for GPU ranks, and one variant of each
 test_exit.py case set the host thread themselves."""
@@ -8,7 +8,7 @@ test_exit.py case set the host thread themselves."""
 import pytest
 import torch.distributed as dist
 
-from offload_plugin import process
+from offload_plugin.host import process
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""AdamW8bit (offload_plugin.adamw8bit): bitsandbytes' AdamW8bit update and state layout.
+"""AdamW8bit (offload_plugin.formats.adamw8bit.optimizer): bitsandbytes' AdamW8bit update and state layout.
 
 The reference is bitsandbytes 0.50 itself on CPU tensors (its CPU backend): from the same
 weights and gradients, the bf16 weights, the 8-bit codes, the block scales and the 32-bit
@@ -15,7 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import AdamW8bit, CPUOffloadOptimizer, adamw8bit, streamed
+from offload_plugin import AdamW8bit, CPUOffloadOptimizer
+from offload_plugin.engines import streamed
+from offload_plugin.formats.adamw8bit import update as adamw8bit
 from state_snapshot import assert_unchanged, snapshot
 
 WRAPPED = "__bnb_optimizer_quant_state__"
@@ -150,7 +152,7 @@ def test_a_unit_of_a_whole_parameter_is_staged_in_two_copies_each_way(monkeypatc
     the two codes, for a parameter of whole 4096-element lines of scales): two copies each
     way, each landing where the kernel reads each part; a unit of a range of a larger
     parameter takes four."""
-    from offload_plugin import adamw8bit_streamed
+    from offload_plugin.formats.adamw8bit import streamed as adamw8bit_streamed
 
     monkeypatch.setattr(streamed.config, "enabled", True)
     monkeypatch.setattr(streamed.config, "on_cpu", True)
@@ -528,7 +530,8 @@ def test_a_copy_steps_as_the_original(copy_with):
 def test_the_host_memory_preflight_counts_its_two_bytes_of_state(monkeypatch):
     """With room for 7 bytes per parameter, AdamW8bit's host update (weight, gradient and 2
     bytes of state: 6) is built, the default's (weight, gradient and bf16 moments: 8) refused."""
-    from offload_plugin import HostMemoryError, host_memory
+    from offload_plugin import HostMemoryError
+    from offload_plugin.host import memory as host_memory
 
     monkeypatch.setattr(streamed.config, "enabled", False)
     params = [nn.Parameter(torch.zeros(64, 1024, dtype=torch.bfloat16))]

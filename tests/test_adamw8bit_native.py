@@ -1,4 +1,4 @@
-"""AdamW8bit's one-pass host kernel (offload_plugin.adamw8bit_native) against its torch path.
+"""AdamW8bit's one-pass host kernel (offload_plugin.formats.adamw8bit.native) against its torch path.
 
 The kernel is used only after it matched ``update_8bit_``'s torch path bit for bit at load
 time; these tests check that promise from outside (sizes with tails, zero blocks, several
@@ -12,13 +12,14 @@ import shutil
 import pytest
 import torch
 
-from offload_plugin import AdamW8bit, adamw8bit, adamw8bit_native
+from offload_plugin import AdamW8bit
+from offload_plugin.formats.adamw8bit import native as adamw8bit_native, update as reference
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None,
     reason="no C++ compiler: AdamW8bit's host update stays on its torch path",
 )
-CHUNK, BLOCK = adamw8bit._CHUNK, adamw8bit.BLOCK
+CHUNK, BLOCK = reference.CHUNK, reference.BLOCK
 FIELDS = ("weight", "state1", "absmax1", "state2", "absmax2")
 GROUP = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
 
@@ -33,12 +34,12 @@ def fresh_kernel_state(monkeypatch, tmp_path):
 @pytest.fixture
 def torch_chunks(monkeypatch):
     """The first elements of the chunks that take the torch path, as they are updated."""
-    seen, update = [], adamw8bit._update_chunk_8bit
+    seen, update = [], reference.update_chunk_8bit_
 
     def spy(*args):
         seen.append(args[-1])
         update(*args)
-    monkeypatch.setattr(adamw8bit, "_update_chunk_8bit", spy)
+    monkeypatch.setattr(reference, "update_chunk_8bit_", spy)
     return seen
 
 
@@ -70,8 +71,8 @@ def _run(n, steps, native, weight_decay=0.01, grad_scale=None, grads=_grad, stoc
     state = _fresh_state(n)
     group = dict(GROUP, weight_decay=weight_decay, stochastic_rounding=stochastic_rounding)
     for step in range(1, steps + 1):
-        coeffs = adamw8bit.coefficients(group, step, grad_scale)
-        adamw8bit.update_8bit_(state[0], grads(n, step), *state[1:], coeffs, native=native)
+        coeffs = reference.coefficients(group, step, grad_scale)
+        adamw8bit_native.update_8bit_(state[0], grads(n, step), *state[1:], coeffs, native=native)
     return state
 
 
@@ -161,7 +162,7 @@ def test_through_adamw8bit_it_is_bitsandbytes_bit_for_bit(weight_decay, torch_ch
 def test_off_when_disabled_with_the_same_bits(fresh_kernel_state, monkeypatch, torch_chunks, caplog):
     """OFFLOAD_PLUGIN_NATIVE=0: no kernel, every chunk on the torch path, the same result."""
     monkeypatch.setenv("OFFLOAD_PLUGIN_NATIVE", "0")
-    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+    with caplog.at_level(logging.INFO, logger="offload_plugin.formats.native_build"):
         assert adamw8bit_native.kernel() is None
     assert "OFFLOAD_PLUGIN_NATIVE=0" in caplog.text
     ours = _run(CHUNK + 5, 2, True)
@@ -182,7 +183,7 @@ def test_no_compiler_leaves_the_torch_path(fresh_kernel_state, monkeypatch, torc
 def test_a_kernel_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch, torch_chunks, caplog):
     """If the kernel differed from the torch path here, the torch path would run instead."""
     monkeypatch.setattr(adamw8bit_native, "_matches_reference", lambda k: "forced mismatch")
-    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+    with caplog.at_level(logging.INFO, logger="offload_plugin.formats.native_build"):
         assert adamw8bit_native.kernel() is None
     assert "forced mismatch" in caplog.text
     _run(BLOCK + 1, 1, True)
@@ -212,8 +213,8 @@ def test_tensors_the_kernel_cannot_read_take_the_torch_path(torch_chunks):
     n = BLOCK + 1
     ours, ref = _fresh_state(n), _fresh_state(n)
     wide = torch.stack([_grad(n, 1), _grad(n, 1)], 1)
-    coeffs = adamw8bit.coefficients(dict(GROUP, weight_decay=0.01), 1)
-    adamw8bit.update_8bit_(ours[0], wide[:, 0], *ours[1:], coeffs)
+    coeffs = reference.coefficients(dict(GROUP, weight_decay=0.01), 1)
+    adamw8bit_native.update_8bit_(ours[0], wide[:, 0], *ours[1:], coeffs)
     assert torch_chunks == [0]
-    adamw8bit.update_8bit_(ref[0], _grad(n, 1), *ref[1:], coeffs, native=False)
+    adamw8bit_native.update_8bit_(ref[0], _grad(n, 1), *ref[1:], coeffs, native=False)
     _assert_same_bits(ours, ref)

@@ -1,10 +1,11 @@
-"""offload_plugin.adamw: one place picks how AdamW runs and turns a group into kernel
+"""offload_plugin.formats.adamw.kernels: one place picks how AdamW runs and turns a group into kernel
 arguments; each path gives torch's AdamW(fused=True) bits on the same tensors."""
 
 import pytest
 import torch
 
-from offload_plugin import adamw, compact_adam, native_adam
+from offload_plugin.formats.adamw import kernels as adamw, native as native_adam
+from offload_plugin.formats.compact import native as compact_adam, optimizer as compact_optimizer, streamed as compact_streamed
 
 BF16, FP32 = torch.bfloat16, torch.float32
 
@@ -23,7 +24,7 @@ def test_settings_are_read_from_the_group_as_the_kernels_take_them():
     assert adamw.Settings.of(dict(group, decoupled_weight_decay=True), decoupled=False).decoupled
     plain = adamw.Settings.adamw(group)  # CompactAdamW: AdamW alone, whatever the group says
     assert (plain.maximize, plain.decoupled, plain.amsgrad) == (False, True, False)
-    assert type(plain.lr) is float and plain.compact_key(3) == (pytest.approx(0.01), 0.8, pytest.approx(0.95), 0.0, 1e-6, 3)
+    assert type(plain.lr) is float and compact_streamed.coefficients_key(plain, 3) == (pytest.approx(0.01), 0.8, pytest.approx(0.95), 0.0, 1e-6, 3)
 
 
 def test_pick():
@@ -40,7 +41,6 @@ def test_pick():
     assert adamw.pick(master, bf16_grad, weight_out=torch.zeros(64, dtype=torch.float16)) == adamw.FUSED
     assert adamw.pick(weight, bf16_grad, weight_out=weight) == adamw.FUSED
     assert adamw.pick(master.to("meta"), bf16_grad.to("meta")) == adamw.FUSED  # not the host
-    assert adamw.pick(weight, bf16_grad, compact=True) == adamw.COMPACT
 
 
 def _torch_reference(master, grads, settings, grad_scale=None, amsgrad=False):
@@ -136,12 +136,12 @@ def test_compact_is_compact_adams_step_and_writes_nothing_when_found():
     state, twin = compact_adam.CompactAdamState.zeros(weight.clone()), compact_adam.CompactAdamState.zeros(weight.clone())
     grad = torch.randn(n, generator=gen).to(BF16)
     settings = adamw.Settings.adamw(dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1, eps=1e-8))
-    adamw.compact_step(twin, grad, settings)
-    coeffs = compact_adam._coefficients(*settings.compact_key(1)[:5], 1, True, False, None, None)
+    compact_optimizer.compact_step(twin, grad, settings)
+    coeffs = compact_adam._coefficients(*compact_streamed.coefficients_key(settings, 1)[:5], 1, True, False, None, None)
     views = (state.weight, state.remainder, grad, state.exp_avg, state.exp_avg_absmax, state.exp_avg_sq,
              state.exp_avg_sq_absmax)
-    adamw.compact(*views, coeffs, torch.ones(()))
+    compact_streamed.update_(*views, coeffs, torch.ones(()))
     assert torch.equal(state.weight, weight) and not state.remainder.any()
-    adamw.compact(*views, coeffs, torch.zeros(()))
+    compact_streamed.update_(*views, coeffs, torch.zeros(()))
     for key in ("weight", "remainder", "exp_avg", "exp_avg_absmax", "exp_avg_sq", "exp_avg_sq_absmax"):
         assert torch.equal(getattr(state, key), getattr(twin, key)), key

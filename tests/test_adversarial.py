@@ -65,6 +65,7 @@ _WRONG_SHAPE = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from test_adversarial import {model} as make_model, {step} as step
     from offload_plugin import CPUOffloadOptimizer
+
     model = make_model()
     opt = CPUOffloadOptimizer(model.parameters(), lr=1e-2{options})
     step(model, opt, 0)
@@ -135,7 +136,7 @@ def test_unusable_state_assigned_by_hand_is_a_clear_error_changing_nothing(case,
     exactly as torch's without the failed step. (The streamed update, on its CPU twin,
     went on from its own step count over a deleted or int "step", and raised a bare
     KeyError for a deleted moment.)"""
-    from offload_plugin import streamed
+    from offload_plugin.engines import streamed
 
     monkeypatch.setattr(streamed.config, "on_cpu", streaming)
     (ref_model, ref), (ours_model, ours) = _twins()
@@ -170,7 +171,7 @@ def test_amsgrad_switched_on_after_steps_is_a_clear_error_changing_nothing(strea
     after advancing a step count, so switching amsgrad back and training on diverged from
     torch. It must say what to do and change nothing. (The streamed update, on its CPU twin,
     stays streamed: only amsgrad loaded with its state hands it to the host update.)"""
-    from offload_plugin import streamed
+    from offload_plugin.engines import streamed
 
     monkeypatch.setattr(streamed.config, "on_cpu", streaming)
     (ref_model, ref), (ours_model, ours) = _twins()

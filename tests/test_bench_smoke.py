@@ -506,7 +506,7 @@ def test_step_overhead_bench_cpu_smoke():
 def test_omp_teams_bench_cpu_smoke():
     """bench/investigations/omp_teams.py times the native update in a host thread with and without the
     training thread's OpenMP team, and in the training thread itself."""
-    from offload_plugin import native_adam
+    from offload_plugin.formats.adamw import native as native_adam
 
     if native_adam.kernel() is None:
         pytest.skip("no native kernel here (no C++ compiler)")
@@ -828,7 +828,9 @@ def test_bench_readme_names_every_script():
     rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+\.py)` \|(.*)$", investigations.read_text(), flags=re.M)}
     assert set(rows) == _scripts(BENCH / "investigations"), "investigations/README.md: one row per script"
     for script, row in rows.items():  # (the question, then where its answer is: a page or a module)
-        assert re.search(r"docs/\w+\.md|offload_plugin/\w+\.py", row), f"{script}: where is its answer?"
+        where = re.findall(r"docs/\w+\.md|offload_plugin/[\w/]+\.py", row)
+        assert where, f"{script}: where is its answer?"
+        assert all((BENCH.parent / path).is_file() for path in re.findall(r"offload_plugin/[\w/]+\.py", row)), row
     for target in re.findall(r"\]\(([^)#\s]+)", investigations.read_text()):
         assert (investigations.parent / target).resolve().is_file(), target
 

@@ -12,7 +12,8 @@ import copy
 import pytest
 import torch
 
-from offload_plugin import CompactAdamW, CPUOffloadOptimizer, compact_adam
+from offload_plugin import CompactAdamW, CPUOffloadOptimizer
+from offload_plugin.formats.compact import native as compact_adam
 from state_snapshot import assert_unchanged, snapshot
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -203,7 +204,7 @@ def test_this_optimizers_master_setting_holds_where_bitsandbytes_has_none():
 def test_an_eight_bit_checkpoint_in_the_default_mode_is_refused_naming_its_writer(writer, says):
     """The refusal says which class loads it, and the conversion it may suggest refuses a
     layout it does not convert instead of crashing."""
-    from offload_plugin.compact_optimizer import to_adamw_state_dict
+    from offload_plugin.formats.compact.optimizer import to_adamw_state_dict
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(64, 80).to(torch.bfloat16))]

@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import CPUOffloadOptimizer, streamed
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.engines import streamed
 from reference_twin import DEVICES, batch, make_model
 
 LR, WD, SCALE = 1e-2, 0.1, 1.0 / 16  # a power of two: scaling is exact wherever it happens

@@ -1,4 +1,4 @@
-"""The compact AdamW host state (offload_plugin.compact_adam): the native kernel against its
+"""The compact AdamW host state (offload_plugin.formats.compact.native): the native kernel against its
 torch reference bit for bit, the exact master, the 8-bit moments, conversions, and
 training quality against exact AdamW and bitsandbytes' AdamW8bit."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from offload_plugin import compact_adam as ca
+from offload_plugin.formats.compact import native as ca
 
 needs_kernel = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None,

@@ -14,7 +14,8 @@ import copy
 import pytest
 import torch
 
-from offload_plugin import CompactAdamW, CPUOffloadOptimizer, compact_adam, compact_optimizer
+from offload_plugin import CompactAdamW, CPUOffloadOptimizer
+from offload_plugin.formats.compact import native as compact_adam, optimizer as compact_optimizer
 from state_snapshot import assert_unchanged, same, snapshot
 
 LR, WD = 1e-2, 0.1

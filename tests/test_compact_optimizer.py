@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_plugin import CompactAdamW, CPUOffloadOptimizer, compact_optimizer
+from offload_plugin import CompactAdamW, CPUOffloadOptimizer
+from offload_plugin.formats.compact import optimizer as compact_optimizer
 from reference_twin import assert_same_params, make_model, train, train_overlapped, trainable
 
 # min_8bit_size=0: the test model's parameters are all under the default 4096 elements,

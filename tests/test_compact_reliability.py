@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import CompactAdamW, CPUOffloadOptimizer, streamed
+from offload_plugin import CompactAdamW, CPUOffloadOptimizer
+from offload_plugin.engines import streamed
 
 KW = dict(lr=2e-3, weight_decay=0.1)
 PATHS = ["direct", "host", "streamed"]
@@ -202,7 +203,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @CUDA
 def test_gpu_weight_digest_is_the_hosts():
     """A checkpoint saved from GPU weights resumes on the host and back: one digest."""
-    from offload_plugin.compact_optimizer import weight_digest
+    from offload_plugin.formats.compact.optimizer import weight_digest
 
     for n in (1, 255, 4097, 3 * (1 << 20) + 5):
         w = torch.randn(n, dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""CompactAdamW's streamed update (offload_plugin.compact_streamed): the compact state in
+"""CompactAdamW's streamed update (offload_plugin.formats.compact.streamed): the compact state in
 host memory, updated where the parameters are. Here the same code runs with CPU parameters
 (``streamed.config.on_cpu``: no streams, the native CPU kernel on the host state in place), and
 the reference is CompactAdamW's host update in the same optimizer, bit for bit: weights,
@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import CPUOffloadOptimizer, streamed
-from offload_plugin.compact_optimizer import to_adamw_state_dict
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.engines import streamed
+from offload_plugin.formats.compact.optimizer import to_adamw_state_dict
 
 KW = dict(lr=2e-3, weight_decay=0.1, optimizer_cls="offload_plugin.CompactAdamW")
 
@@ -169,7 +170,8 @@ def test_page_locked_blocks_live_as_long_as_the_state(monkeypatch):
     import gc
     import weakref
 
-    from offload_plugin import compact_streamed, host_buffers
+    from offload_plugin.formats.compact import streamed as compact_streamed
+    from offload_plugin.host import buffers as host_buffers
 
     pinned, unpinned = [], []
 

@@ -17,7 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import AdamW8bit, CompactAdamW, CPUOffloadOptimizer, streamed
+from offload_plugin import AdamW8bit, CompactAdamW, CPUOffloadOptimizer
+from offload_plugin.engines import streamed
+from offload_plugin.formats import registry
 from state_snapshot import assert_unchanged, same, snapshot
 
 KW = dict(lr=1e-2, weight_decay=0.1)
@@ -28,24 +30,29 @@ def _bnb_adamw8bit(params, **kw):
     return pytest.importorskip("bitsandbytes").optim.AdamW8bit(params, **kw)
 
 
-# What each format is: its dtype, its optimizer_cls, its reference, its direct class (None:
+# What each format is: its family (offload_plugin.formats.registry), its dtype, its optimizer_cls, its reference, its direct class (None:
 # not public), a first- and a second-moment key of its entries, and the group settings its
 # load_state_dict refuses in its own checkpoint (check 2).
 FORMATS = {
-    "exact": dict(dtype=torch.float32, cls="torch.optim.AdamW", direct=None,
+    "exact": dict(family="adamw", dtype=torch.float32, cls="torch.optim.AdamW", direct=None,
                   reference=lambda params: torch.optim.AdamW(params, fused=True, **KW),
                   keys=("exp_avg", "exp_avg_sq"), refused={"amsgrad": True, "foreach": True}),
-    "exact-bf16": dict(dtype=BF16, cls="torch.optim.AdamW", direct=None,
+    "exact-bf16": dict(family="adamw", dtype=BF16, cls="torch.optim.AdamW", direct=None,
                        reference=lambda params: torch.optim.AdamW(params, fused=True, **KW),
                        keys=("exp_avg", "exp_avg_sq"), refused={"amsgrad": True}),
-    "adamw8bit": dict(dtype=BF16, cls="offload_plugin.AdamW8bit", direct=AdamW8bit,
+    "adamw8bit": dict(family="adamw8bit", dtype=BF16, cls="offload_plugin.AdamW8bit", direct=AdamW8bit,
                       reference=lambda params: _bnb_adamw8bit(params, **KW),
                       keys=("state1", "absmax1"), refused={"amsgrad": True, "maximize": True}),
-    "compact": dict(dtype=BF16, cls="offload_plugin.CompactAdamW", direct=CompactAdamW,
+    "compact": dict(family="compact", dtype=BF16, cls="offload_plugin.CompactAdamW", direct=CompactAdamW,
                     reference=lambda params: CompactAdamW(params, **KW),
                     keys=("exp_avg", "exp_avg_absmax"), refused={"amsgrad": True, "maximize": True}),
 }
 PATHS = ["direct", "host", "offload_gradients", "streamed"]
+
+
+def test_every_registered_family_is_in_the_suite():
+    """A new family (a folder under offload_plugin/formats/) joins the suite with its entry above."""
+    assert {f["family"] for f in FORMATS.values()} == set(registry.FAMILIES)
 CASES = [pytest.param(fmt, path, id=f"{fmt}-{path}")
          for fmt in FORMATS for path in PATHS if path != "direct" or FORMATS[fmt]["direct"] is not None]
 

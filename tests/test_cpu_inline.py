@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_plugin import CPUOffloadOptimizer
-from offload_plugin.host_worker import HostUpdateError, HostWorker
+from offload_plugin.host.worker import HostUpdateError, HostWorker
 from reference_twin import assert_same_params, batch, make_model, offload, reference, train, trainable, twins
 
 
@@ -93,7 +93,7 @@ def test_cpu_parameters_in_backward_inline_match_torch(cpu_inline):
 def test_cpu_parameters_delayed_update_inline_is_the_threaded_result(cpu_inline, monkeypatch):
     """delayed_update applies each gradient one step late whichever thread runs it: the
     same bits inline as through the host thread."""
-    from offload_plugin import process
+    from offload_plugin.host import process
 
     inline_model, threaded_model = twins()
     inline = offload(inline_model, lr=1e-2, offload_gradients=True, delayed_update=True)

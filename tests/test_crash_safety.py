@@ -65,6 +65,7 @@ def replace(src, dst, *args, **kwargs):
 torch.save, os.replace = save, replace
 if os.environ.get("CRASH_UNPROTECTED") == "1":
     from offload_plugin import recipe_utils
+
     recipe_utils.save_checkpoint_atomically = lambda ckptr, sd, **kw: ckptr.save_checkpoint(sd, **kw)
 sys.argv = ["tune", *sys.argv[1:]]
 runpy.run_module("torchtune._cli.tune", run_name="__main__")

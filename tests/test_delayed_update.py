@@ -98,7 +98,7 @@ def test_applies_each_gradient_one_step_late_exactly(device, grads, clip):
 def test_scale_given_to_overlap_is_applied_in_the_jobs_exactly(device, accumulate_on_device, monkeypatch):
     """overlap_next_step(grad_scale) without scale_grads or clipping: step() reads no
     gradient (each job scales and checks its own); still gradient t applied at t+1."""
-    import offload_plugin.grad_checks as grad_checks
+    import offload_plugin.host.grad_checks as grad_checks
 
     model = make_model(device)
     ref_model = copy.deepcopy(model)
@@ -212,7 +212,8 @@ def test_process_exits_cleanly_with_an_update_pending():
 
     script = (
         "import torch\n"
-        "from offload_plugin import CPUOffloadOptimizer, process\n"
+        "from offload_plugin import CPUOffloadOptimizer\n"
+        "from offload_plugin.host import process\n"
         "process._INLINE_ON_CPU = False\n"  # the host thread, whose update is still running
         "m = torch.nn.Linear(512, 512)\n"
         "opt = CPUOffloadOptimizer(m.parameters(), lr=1e-3, fused=True, delayed_update=True)\n"

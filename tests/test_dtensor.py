@@ -63,7 +63,7 @@ def _spawn(fn, tmp_path: Path, device: str, *args) -> None:
 
 def _init_and_run(rank, fn, device, store, args):
     global DEVICE
-    from offload_plugin import process
+    from offload_plugin.host import process
 
     process._INLINE_ON_CPU = False  # CPU ranks stand in for GPU ones: the host thread's path
     torch.set_num_threads(1)  # 2 cores for 2 ranks

@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-import offload_plugin.host_worker as host_worker
-import offload_plugin.host_update as host_update
-from offload_plugin.host_worker import HostUpdateError
+from offload_plugin.host.worker import HostUpdateError
+import offload_plugin.host.inner_step as host_update
+import offload_plugin.host.worker as host_worker
 from reference_twin import DEVICES, assert_same_params, batch, make_model, offload, trainable
 
 

@@ -19,7 +19,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload_plugin import AdamW8bit, CompactAdamW, CPUOffloadOptimizer, streamed
+from offload_plugin import AdamW8bit, CompactAdamW, CPUOffloadOptimizer
+from offload_plugin.engines import streamed
 from reference_twin import make_model, train, trainable
 
 PATHS = {CompactAdamW: ("direct", "host", "streamed"), AdamW8bit: ("bitsandbytes", "direct", "host", "streamed")}

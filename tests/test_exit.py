@@ -26,7 +26,8 @@ _TRAIN = textwrap.dedent(
     """
     import sys
     import torch
-    from offload_plugin import CPUOffloadOptimizer, process
+    from offload_plugin import CPUOffloadOptimizer
+    from offload_plugin.host import process
 
     rank, world, store = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     process._INLINE_ON_CPU = sys.argv[4] == "inline"

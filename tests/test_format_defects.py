@@ -12,7 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import AdamW8bit, CPUOffloadOptimizer, adamw8bit, streamed
+from offload_plugin import AdamW8bit, CPUOffloadOptimizer
+from offload_plugin.engines import streamed
+from offload_plugin.formats.adamw8bit import update as adamw8bit
 from state_snapshot import assert_unchanged, snapshot
 
 WRAPPED = "__bnb_optimizer_quant_state__"

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import streamed
-from offload_plugin.transfer import Transfers
+from offload_plugin.engines import streamed
+from offload_plugin.host.transfer import Transfers
 from reference_twin import CUDA, offload, trainable
 
 pytestmark = CUDA
@@ -131,7 +131,7 @@ def test_gradient_check_on_the_gpu_finds_any_nonfinite_value_and_changes_nothing
     """grad_checks.all_finite checks CUDA tensors together: a single inf or NaN in any of
     many tensors, of mixed dtypes and sizes, is found; finite values whose sum of absolute
     values overflows are still finite; the values it reads keep their bits."""
-    from offload_plugin import grad_checks
+    from offload_plugin.host import grad_checks
 
     g = torch.Generator(device="cuda").manual_seed(0)
     tensors = [torch.randn(n, device="cuda", generator=g).to(dtype) for n in (1, 7, 4096, 100_003)]
@@ -153,7 +153,7 @@ def test_plain_step_on_the_gpu_checks_gradients_as_they_leave(bad, monkeypatch):
     and a large one alone): one inf or NaN anywhere skips the step with nothing changed;
     finite steps (one whose sum of absolute values overflows among them) match torch's
     fused AdamW on host copies bit for bit."""
-    from offload_plugin.transfer import PACK_MAX_BYTES
+    from offload_plugin.host.transfer import PACK_MAX_BYTES
 
     # The host update's plain step (master weights, amsgrad, other optimizers take it on a
     # GPU); with these settings the streamed update would run (test_streamed_gpu.py).
@@ -198,7 +198,7 @@ def test_stock_lora_recipes_plain_step_checks_on_the_way_from_the_first_step(mon
 
     from offload_plugin import CPUOffloadOptimizer
     from offload_plugin.demo import qlora_tiny_llama
-    from offload_plugin.scaling import Scaling
+    from offload_plugin.host.scaling import Scaling
 
     separate = []  # (step, why the checked path was not taken)
     checked = Scaling.step_is_finite

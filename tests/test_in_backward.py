@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-import offload_plugin.host_update as host_update
 from offload_plugin import CPUOffloadOptimizer
+import offload_plugin.host.inner_step as host_update
 from reference_twin import DEVICES, assert_same_params, batch, make_model, trainable, twins
 
 KW = dict(lr=1e-2, weight_decay=0.1)

@@ -1,9 +1,10 @@
-"""offload_plugin.inner: the inner optimizer's contract is read from its class and checked once."""
+"""offload_plugin.formats.inner: the inner optimizer's contract is read from its class and checked once."""
 
 import pytest
 import torch
 
-from offload_plugin import CompactAdamW, inner
+from offload_plugin import CompactAdamW
+from offload_plugin.formats import inner
 
 
 def test_torch_optimizers_declare_nothing():

@@ -1,4 +1,4 @@
-"""load_state_dict checks every entry before changing anything (offload_plugin/checkpoint.py).
+"""load_state_dict checks every entry before changing anything (offload_plugin/checkpoint/state_dict.py).
 
 Each accepted state dict must continue exactly as torch's AdamW loading the same dict
 (bitwise: torch's fused CPU AdamW is deterministic); each refused one must raise
@@ -421,8 +421,7 @@ _NO_CRASH = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from reference_twin import batch, make_model
     from offload_plugin import CPUOffloadOptimizer
-    from offload_plugin import native_adam
-
+    from offload_plugin.formats.adamw import native as native_adam
     # fp32: torch's fused kernel, which writes out of bounds without checking; bf16 with
     # fp32 masters: our native kernel (when it compiled).
     for dtype in (torch.float32, torch.bfloat16):

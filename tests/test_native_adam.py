@@ -1,4 +1,4 @@
-"""The one-pass host update (offload_plugin.native_adam) against torch's fused AdamW.
+"""The one-pass host update (offload_plugin.formats.adamw.native) against torch's fused AdamW.
 
 The kernel is only ever used after matching torch bit for bit at load time; these tests
 check that promise from outside, over settings and tensor sizes the load-time check does
@@ -11,9 +11,10 @@ import shutil
 import pytest
 import torch
 
-import offload_plugin.host_update as host_update
-from offload_plugin import native_adam
-from offload_plugin.host_buffers import HostSlot, allocate_moments
+from offload_plugin.formats import native_build
+from offload_plugin.formats.adamw import native as native_adam
+from offload_plugin.host.buffers import HostSlot, allocate_moments
+import offload_plugin.host.inner_step as host_update
 
 needs_compiler = pytest.mark.skipif(
     shutil.which("g++") is None and shutil.which("c++") is None,
@@ -43,7 +44,7 @@ def test_a_dtype_that_fails_verification_is_not_used(fresh_kernel_state, monkeyp
     check = native_adam._matches_torch
     monkeypatch.setattr(native_adam, "_matches_torch",
                         lambda k, dtype: "forced mismatch" if dtype == torch.bfloat16 else check(k, dtype))
-    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+    with caplog.at_level(logging.INFO, logger="offload_plugin.formats.adamw.native"):
         kernel = native_adam.kernel()
     assert kernel.dtypes == {torch.float32}
     assert "forced mismatch" in caplog.text
@@ -110,14 +111,14 @@ def test_one_pass_update_is_bitwise_torch_fused(numel, adamw, group_kwargs, grad
 
 def test_disabled_by_environment(fresh_kernel_state, monkeypatch, caplog):
     monkeypatch.setenv("OFFLOAD_PLUGIN_NATIVE", "0")
-    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+    with caplog.at_level(logging.INFO, logger="offload_plugin.formats.adamw.native"):
         assert native_adam.kernel() is None
     assert "OFFLOAD_PLUGIN_NATIVE=0" in caplog.text
 
 
 def test_missing_compiler_falls_back_with_the_same_results(fresh_kernel_state, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "/nonexistent/g++")
-    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+    with caplog.at_level(logging.INFO, logger="offload_plugin.formats.adamw.native"):
         assert native_adam.kernel() is None
     assert "using torch's fused kernel" in caplog.text
     # The update still runs, through torch's kernel.
@@ -156,8 +157,8 @@ def test_builds_when_home_is_not_writable(fresh_kernel_state, monkeypatch, tmp_p
     """No writable ~/.cache (read-only homes in containers): the kernel builds in a temp folder."""
     monkeypatch.delenv("OFFLOAD_PLUGIN_CACHE")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    monkeypatch.setattr(native_adam, "_writable", lambda path: False)
-    monkeypatch.setattr(native_adam.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(native_build, "_writable", lambda path: False)
+    monkeypatch.setattr(native_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     assert native_adam.kernel() is not None, native_adam._state.get("reason")
     assert list((tmp_path / "tmp").glob("offload_plugin-*/adam_master_bf16_*.so"))
 
@@ -252,7 +253,7 @@ def test_module_add_without_the_kernel_is_torch(fresh_kernel_state, monkeypatch)
 def test_add_that_fails_verification_is_not_used(fresh_kernel_state, monkeypatch, caplog):
     """A mismatching add leaves the Adam update in use, and add_ on torch's kernel."""
     monkeypatch.setattr(native_adam, "_add_matches_torch", lambda k: "forced add mismatch")
-    with caplog.at_level(logging.INFO, logger="offload_plugin.native_adam"):
+    with caplog.at_level(logging.INFO, logger="offload_plugin.formats.adamw.native"):
         kernel = native_adam.kernel()
     assert kernel.dtypes == {torch.float32, torch.bfloat16} and not kernel.can_add
     assert "forced add mismatch" in caplog.text and "torch's add_" in caplog.text
@@ -315,7 +316,7 @@ def test_finiteness_check_agrees_with_torch(dtype, numel, threads):
 
 @needs_compiler
 def test_all_finite_uses_the_native_check_where_it_applies(monkeypatch):
-    from offload_plugin.grad_checks import all_finite
+    from offload_plugin.host.grad_checks import all_finite
 
     calls = []
     real = native_adam.finite
@@ -331,7 +332,7 @@ def test_all_finite_uses_the_native_check_where_it_applies(monkeypatch):
 
 
 def test_all_finite_without_the_kernel_is_torch(fresh_kernel_state, monkeypatch):
-    from offload_plugin.grad_checks import all_finite
+    from offload_plugin.host.grad_checks import all_finite
 
     monkeypatch.setenv("OFFLOAD_PLUGIN_NATIVE", "0")
     t = torch.ones(4099, dtype=torch.bfloat16)

@@ -11,13 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import CPUOffloadOptimizer, OffloadedGrad, host_worker
+from offload_plugin import CPUOffloadOptimizer, OffloadedGrad
+from offload_plugin.host import worker as host_worker
 from reference_twin import (
     DEVICES, assert_same_params, batch, make_model, offload, reference, train, trainable, twins,
 )
 
 OPTIMIZERS = {
-    # Adam(W) without a choice runs fused, the fast path (offload_plugin.host_update); the
+    # Adam(W) without a choice runs fused, the fast path (offload_plugin.host.inner_step); the
     # reference then is torch's fused kernel (reference_twin.reference).
     "AdamW": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "Adam": (torch.optim.Adam, {"lr": 1e-2, "betas": (0.8, 0.99)}),
@@ -324,7 +325,7 @@ def test_host_memory_bytes_counts_buffers_and_state():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_path_is_bitwise_torch_fused_adamw_across_chunks(dtype, monkeypatch):
     """Parameters spanning several chunks: the chunked update equals AdamW(fused=True) exactly."""
-    import offload_plugin.host_update as host_update
+    import offload_plugin.host.inner_step as host_update
 
     monkeypatch.setattr(host_update, "CHUNK_NUMEL", 1000)  # many chunks, ragged last one
     torch.manual_seed(0)
@@ -710,7 +711,7 @@ def _thp_mode() -> str:
 def test_host_buffers_and_state_are_backed_by_huge_pages():
     """The update streams through masters, gradients and moments every step; the optimizer
     asks for 2 MiB pages for all of them (plain allocations get none in madvise mode)."""
-    from offload_plugin.host_buffers import _advise_huge_pages
+    from offload_plugin.host.buffers import _advise_huge_pages
 
     asked = torch.empty(1 << 23)
     _advise_huge_pages(asked)
@@ -740,8 +741,9 @@ def test_host_buffers_and_state_are_backed_by_huge_pages():
 _THREAD_COUNT_PROBE = """
 import torch
 from torch import nn
-from offload_plugin import CPUOffloadOptimizer, process
+from offload_plugin import CPUOffloadOptimizer
 from offload_plugin.demo import tiny_llama
+from offload_plugin.host import process
 
 process._INLINE_ON_CPU = False  # host_threads applies to the host thread (CPU parameters: inline)
 torch.manual_seed(0)
@@ -838,7 +840,7 @@ def test_scale_multiplier_is_the_value_scale_grads_multiplies_by(factor):
     the host pass it) is used as the fp32 value torchtune's ``p.grad *= factor`` reads: as
     it is on the CPU; rounded to the gradient's dtype first for parameters on a GPU, whose
     kernel converts it so (tests/test_gpu.py checks the bits against torchtune's there)."""
-    from offload_plugin.scaling import multiplier
+    from offload_plugin.host.scaling import multiplier
 
     fp32 = torch.as_tensor(factor, dtype=torch.float32)
     assert multiplier(factor, torch.bfloat16, on_accelerator=False) == float(fp32)

@@ -11,7 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import CPUOffloadOptimizer, CompactAdamW, compact_streamed, options, streamed
+from offload_plugin import CPUOffloadOptimizer, CompactAdamW, options
+from offload_plugin.engines import streamed
+from offload_plugin.formats.compact import streamed as compact_streamed
 from offload_plugin.options import COMBINATIONS, HOST, REFUSED, STREAMED
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "options.md"
@@ -113,10 +115,10 @@ def test_accumulate_on_device_needs_offloaded_gradients():
     CPUOffloadOptimizer(_mlp().parameters(), accumulate_on_device=True, offload_gradients=True)
 
 
-@refusal("`device_fraction` with `CompactAdamW` or `AdamW8bit`")
+@refusal("`device_fraction` with `AdamW8bit` or `CompactAdamW`")
 def test_device_fraction_with_compact_adamw():
     bf16 = _mlp(torch.bfloat16)
-    _refused("`device_fraction` with `CompactAdamW` or `AdamW8bit`", lambda: CPUOffloadOptimizer(
+    _refused("`device_fraction` with `AdamW8bit` or `CompactAdamW`", lambda: CPUOffloadOptimizer(
         bf16.parameters(), optimizer_cls=CompactAdamW, device_fraction=0.5), cls="CompactAdamW")
     CPUOffloadOptimizer(bf16.parameters(), optimizer_cls=CompactAdamW)
     CPUOffloadOptimizer(_mlp().parameters(), device_fraction=0.5)
@@ -129,11 +131,11 @@ def test_device_fraction_with_dtensors(one_rank):
     CPUOffloadOptimizer(_dtensors(one_rank, 0))
 
 
-@refusal("`CompactAdamW` or `AdamW8bit` with DTensor parameters sharded other than by rows")
+@refusal("`AdamW8bit` or `CompactAdamW` with DTensor parameters sharded other than by rows")
 def test_compact_adamw_needs_row_shards(one_rank):
     from torch.distributed.tensor import Shard
 
-    _refused("`CompactAdamW` or `AdamW8bit` with DTensor parameters sharded other than by rows",
+    _refused("`AdamW8bit` or `CompactAdamW` with DTensor parameters sharded other than by rows",
              lambda: CPUOffloadOptimizer(_dtensors(one_rank, 1, torch.bfloat16), optimizer_cls=CompactAdamW),
              placements=(Shard(dim=1),))
     CPUOffloadOptimizer(_dtensors(one_rank, 0, torch.bfloat16), optimizer_cls=CompactAdamW)
@@ -149,9 +151,9 @@ def test_adafactor_with_dtensors(one_rank):
     CPUOffloadOptimizer(_dtensors(one_rank, 0), optimizer_cls=torch.optim.SGD, lr=0.1)
 
 
-@refusal("`CompactAdamW` or `AdamW8bit` with parameters not bf16, or `master_weights`")
+@refusal("`AdamW8bit` or `CompactAdamW` with parameters not bf16, or `master_weights`")
 def test_compact_adamw_needs_bf16_without_masters():
-    combination = "`CompactAdamW` or `AdamW8bit` with parameters not bf16, or `master_weights`"
+    combination = "`AdamW8bit` or `CompactAdamW` with parameters not bf16, or `master_weights`"
     _refused(combination, lambda: CPUOffloadOptimizer(_mlp().parameters(), optimizer_cls=CompactAdamW),
              cls="CompactAdamW", dtypes_list="torch.float32", master_weights=False)
     _refused(combination, lambda: CPUOffloadOptimizer(
@@ -214,12 +216,12 @@ def test_grad_scaler_with_offloaded_dtensor_gradients(one_rank):
     assert not all(torch.equal(a, b) for a, b in zip(before, params))
 
 
-@refusal("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s, `AdamW8bit`'s)")
+@refusal("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`AdamW8bit` or `CompactAdamW`)")
 def test_grad_scaler_with_streamed_compact_adamw(on_cpu, monkeypatch):
     params = list(_mlp(torch.bfloat16).parameters())
     opt = CPUOffloadOptimizer(params, optimizer_cls=CompactAdamW)
     before = _scaled_step(opt, params)
-    _refused("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`CompactAdamW`'s, `AdamW8bit`'s)", opt.step)
+    _refused("torch.amp `GradScaler` on the streamed engine with a state format whose kernel takes no scale (`AdamW8bit` or `CompactAdamW`)", opt.step, cls="CompactAdamW")
     assert all(torch.equal(a, b) for a, b in zip(before, params))
     monkeypatch.setattr(streamed.config, "on_cpu", False)  # the host engine takes the scale
     opt = CPUOffloadOptimizer(params, optimizer_cls=CompactAdamW)

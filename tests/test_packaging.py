@@ -1,6 +1,6 @@
 """What ``pip install .`` (not editable) puts in site-packages: every subpackage, the kernel
 sources and the recipes. An editable install imports from the checkout and hides a package
-left out of pyproject.toml (``offload_plugin.schedules`` was, until this test)."""
+left out of pyproject.toml (``offload_plugin.engines.schedules`` was, until this test)."""
 
 import ast
 import re
@@ -46,8 +46,8 @@ def test_a_built_wheel_imports_and_holds_kernels_and_recipes(tmp_path):
                     "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True)
     wheel = next((tmp_path / "dist").glob("offload_plugin-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for needed in ("offload_plugin/schedules/after_backward.py", "offload_plugin/csrc/adam_master_bf16.cpp",
-                   "offload_plugin/csrc/adam_compact.cpp", "offload_plugin/recipes/lora_finetune_single_device.py"):
+    for needed in ("offload_plugin/engines/schedules/after_backward.py", "offload_plugin/formats/adamw/csrc/adam_master_bf16.cpp",
+                   "offload_plugin/formats/compact/csrc/adam_compact.cpp", "offload_plugin/recipes/lora_finetune_single_device.py"):
         assert needed in names, f"{needed} is not in the wheel"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)

@@ -9,8 +9,8 @@ without moving its version counter.
 import pytest
 import torch
 
-from offload_plugin.host_buffers import back_to_back
-from offload_plugin.transfer import PACK_MAX_BYTES, Transfers, packed_runs
+from offload_plugin.host.buffers import back_to_back
+from offload_plugin.host.transfer import PACK_MAX_BYTES, Transfers, packed_runs
 from reference_twin import CUDA
 
 

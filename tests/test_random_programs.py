@@ -21,7 +21,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload_plugin import CPUOffloadOptimizer, streamed
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.engines import streamed
 from reference_twin import batch, make_model, trainable
 
 LR = 1e-2

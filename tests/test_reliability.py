@@ -10,13 +10,13 @@ import weakref
 import pytest
 import torch
 
-import offload_plugin
-import offload_plugin.gradients as gradients
-import offload_plugin.grad_checks as grad_checks
-import offload_plugin.host_update as host_update
-import offload_plugin.engine as engine_module
 from offload_plugin import CPUOffloadOptimizer
-from offload_plugin.host_worker import HostUpdateError
+from offload_plugin.host.worker import HostUpdateError
+import offload_plugin
+import offload_plugin.engines.base as engine_module
+import offload_plugin.host.grad_checks as grad_checks
+import offload_plugin.host.gradients as gradients
+import offload_plugin.host.inner_step as host_update
 from reference_twin import assert_same_params, batch, make_model, offload, reference, train, trainable, twins
 
 
@@ -317,7 +317,7 @@ def test_torchao_checkpoint_for_another_model_is_refused():
 )
 def test_host_memory_estimate_matches_what_is_allocated(dtype, master_weights, kwargs):
     """The preflight's estimate equals the host bytes actually held after the first step."""
-    from offload_plugin import host_memory
+    from offload_plugin.host import memory as host_memory
 
     model = make_model(dtype=dtype)
     opt = offload(model, lr=1e-3, master_weights=master_weights, **kwargs)
@@ -330,7 +330,8 @@ def test_host_memory_estimate_matches_what_is_allocated(dtype, master_weights, k
 
 def test_host_memory_preflight_refuses_before_allocating(monkeypatch):
     """Too little host memory: HostMemoryError naming need, limit and options; nothing allocated."""
-    from offload_plugin import HostMemoryError, host_memory
+    from offload_plugin import HostMemoryError
+    from offload_plugin.host import memory as host_memory
 
     monkeypatch.setattr(host_memory, "available_bytes", lambda: (1000, "the cgroup limit in test"))
     allocations = []
@@ -354,7 +355,8 @@ def test_host_memory_preflight_counts_what_the_other_optimizers_will_allocate(mo
     at its first step: each preflight counts the state the others built before it will
     allocate, so the optimizer that would not fit is refused at construction (not killed
     by the OOM killer at the first step); once they have stepped, nothing is counted twice."""
-    from offload_plugin import HostMemoryError, host_memory
+    from offload_plugin import HostMemoryError
+    from offload_plugin.host import memory as host_memory
 
     monkeypatch.setattr(host_memory, "_promised", weakref.WeakKeyDictionary())  # (no other test's)
     layers = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=False) for _ in range(4))).to(torch.bfloat16)
@@ -381,7 +383,7 @@ def test_host_memory_preflight_counts_what_the_other_optimizers_will_allocate(mo
 
 def test_available_memory_reads_meminfo_and_cgroup():
     """The limit comes from this machine's MemAvailable or cgroup, and is plausible."""
-    from offload_plugin import host_memory
+    from offload_plugin.host import memory as host_memory
 
     free, source = host_memory.available_bytes()
     assert free is not None and 0 < free < 2**50
@@ -390,7 +392,7 @@ def test_available_memory_reads_meminfo_and_cgroup():
 
 def test_pinning_failure_falls_back_to_pageable_memory(monkeypatch, caplog):
     """If page-locking fails, buffers are ordinary memory and a warning says so."""
-    from offload_plugin import host_buffers
+    from offload_plugin.host import buffers as host_buffers
 
     monkeypatch.setattr(host_buffers, "_pin", lambda block: False)
     arena = host_buffers.HostArena(pin=True)
@@ -407,7 +409,7 @@ def test_optimizers_share_the_arena_and_count_their_own_bytes(monkeypatch):
     """Small buffers of several optimizers come out of one shared chunk (one page-locking
     call, not one per tensor); each optimizer counts what it asked for; a large request
     gets a block of its own."""
-    from offload_plugin import host_buffers
+    from offload_plugin.host import buffers as host_buffers
 
     monkeypatch.setattr(host_buffers.HostArena, "CHUNK_BYTES", 1 << 16)
     arena = host_buffers.HostArena(pin=False)
@@ -426,7 +428,7 @@ def test_optimizers_share_the_arena_and_count_their_own_bytes(monkeypatch):
 
 def test_host_worker_runs_urgent_jobs_before_queued_updates():
     """An accumulated gradient's addition (urgent) does not wait behind queued updates."""
-    from offload_plugin.host_worker import HostWorker
+    from offload_plugin.host.worker import HostWorker
     import threading
 
     worker, order, gate = HostWorker(1), [], threading.Event()
@@ -458,7 +460,7 @@ def test_a_dropped_optimizer_is_freed_and_stops_its_host_thread(offload_gradient
     before = worker_threads()
     model = make_model()
     # A thread count no other optimizer of this process uses: optimizers share a worker
-    # per device and thread count (offload_plugin.process), which the last one frees.
+    # per device and thread count (offload_plugin.host.process), which the last one frees.
     opt = offload(model, lr=1e-2, offload_gradients=offload_gradients, host_threads=7)
     train(model, opt, 2, via_optimizer=True)
     started = worker_threads() - before
@@ -480,7 +482,7 @@ def test_exit_joins_the_thread_of_a_worker_already_collected():
     import threading
     import time
 
-    from offload_plugin import host_worker
+    from offload_plugin.host import worker as host_worker
 
     freeing = threading.Event()
 
@@ -548,7 +550,7 @@ def test_accumulated_gradients_are_added_by_the_worker_not_the_training_thread(d
 def test_block_span_covers_views_with_empty_ends():
     """Weights are widened block by block over consecutive views; an empty view (a rank's
     empty FSDP2 shard) first or last must not break the span (its data pointer is null)."""
-    from offload_plugin.host_buffers import HostArena, _span
+    from offload_plugin.host.buffers import HostArena, _span
 
     views = HostArena(pin=False).allocate([0, 3, 0, 5, 0], torch.float32)
     span = _span(views)

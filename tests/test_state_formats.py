@@ -1,4 +1,4 @@
-"""offload_plugin.state_formats: each format, driven through its protocol alone as the
+"""offload_plugin.formats.registry: each format, driven through its protocol alone as the
 streamed engine drives it (on the CPU: its host views, or staged through buffers and back),
 updates as the optimizer it serves does on the host: torch's AdamW(fused=True) for
 "adamw", CompactAdamW.step for "compact"."""
@@ -6,8 +6,11 @@ updates as the optimizer it serves does on the host: torch's AdamW(fused=True) f
 import pytest
 import torch
 
-from offload_plugin import CompactAdamW, compact_adam, inner, state_formats
-from offload_plugin.host_buffers import HostSlot, allocate_moments
+from offload_plugin import CompactAdamW
+from offload_plugin.formats import inner, registry as state_formats
+from offload_plugin.formats.base import ALIGN
+from offload_plugin.formats.compact import native as compact_adam
+from offload_plugin.host.buffers import HostSlot, allocate_moments
 
 BF16 = torch.bfloat16
 
@@ -63,7 +66,7 @@ def drive(fmt, opt, slots, group_of, grads, chunk, staged):
     for unit in units:
         pool, numel, nbytes = fmt.stage_size(unit)
         at, at_byte = filled.get(pool, (0, 0))
-        filled[pool] = (at + -(-numel // state_formats.ALIGN) * state_formats.ALIGN, at_byte + nbytes)
+        filled[pool] = (at + -(-numel // ALIGN) * ALIGN, at_byte + nbytes)
         views.append(fmt.staged_views(unit, ring, 0, at, at_byte))
         fmt.stage_in(unit, views[-1])
     for unit, view, arg in zip(units, views, args):
@@ -188,16 +191,17 @@ def test_which_parameters_each_format_takes():
     assert compact.refuses(bf16, {}, on_cpu=True) is None
     assert "CUDA" in compact.refuses(bf16, {}, on_cpu=False)
     assert "bf16" in compact.refuses([torch.zeros(4)], {}, on_cpu=True)
-    from offload_plugin.adamw_moments import MASTERS
+    from offload_plugin.formats.adamw.streamed import MASTERS
+
     assert MASTERS.refuses(bf16, {"fused": True}, on_cpu=True) is not None
     assert (adamw.state_bytes(bf16[0]), MASTERS.state_bytes(bf16[0]), compact.state_bytes(bf16[0])) == (4, 12, 4)
     assert state_formats.for_optimizer(inner.contract(torch.optim.SGD), torch.optim.SGD) is None
     with pytest.raises(TypeError, match="unknown state_format"):
         state_formats.get("bnb")
     with pytest.raises(TypeError, match="unknown state_format"):
-        state_formats.get("offload_plugin.adamw")  # (a module without a FORMAT)
+        state_formats.get("offload_plugin.formats.adamw.kernels")  # (a module without a FORMAT)
     # A format named by its module's path: a new format is its module alone.
-    assert state_formats.get("offload_plugin.compact_streamed") is compact
+    assert state_formats.get("offload_plugin.formats.compact.streamed") is compact
 
 
 def test_compact_refuses_a_gradscaler_scale_before_anything_changes():

@@ -1,4 +1,4 @@
-"""The streamed update (offload_plugin.streamed): the state in host memory, the update made
+"""The streamed update (offload_plugin.engines.streamed): the state in host memory, the update made
 by torch's fused kernel where the parameters are. On a GPU it is the default wherever it
 applies; here the same code runs with CPU parameters (``streamed.config.on_cpu``, no streams),
 so the reference is torch's fused AdamW on the CPU, bit for bit. test_streamed_gpu.py
@@ -11,7 +11,8 @@ import logging
 import pytest
 import torch
 
-from offload_plugin import CPUOffloadOptimizer, streamed
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.engines import streamed
 from reference_twin import assert_same_params, batch, make_model, train, trainable, trained_in_two_groups, twins
 
 KW = dict(lr=1e-2, weight_decay=0.1)
@@ -166,7 +167,7 @@ def test_host_memory_is_the_state_alone():
     """No host copy of a weight or a gradient: 4 bytes per bf16 parameter (the two moments)
     and a step count per tensor, against 8 with the host update; the preflight counts the
     same."""
-    from offload_plugin import host_memory
+    from offload_plugin.host import memory as host_memory
 
     model = make_model(dtype=torch.bfloat16)
     opt = CPUOffloadOptimizer(model.parameters(), **KW)
@@ -300,7 +301,7 @@ def test_environment_switches_the_streamed_update_off(value, enabled):
     env = {k: v for k, v in os.environ.items() if k != "OFFLOAD_PLUGIN_STREAMED"}
     if value is not None:
         env["OFFLOAD_PLUGIN_STREAMED"] = value
-    out = subprocess.run([sys.executable, "-c", "from offload_plugin import streamed; print(streamed.config.enabled)"],
+    out = subprocess.run([sys.executable, "-c", "from offload_plugin.engines import streamed; print(streamed.config.enabled)"],
                          capture_output=True, text=True, env=env, check=True).stdout.strip()
     assert out == str(enabled)
 
@@ -387,7 +388,7 @@ def test_benchmark_settings_are_read_from_the_environment():
     import subprocess
     import sys
 
-    code = "from offload_plugin import streamed as s; print(s.config.flush_numel, s.config.in_flight_bytes >> 20)"
+    code = "from offload_plugin.engines import streamed as s; print(s.config.flush_numel, s.config.in_flight_bytes >> 20)"
     env = dict(os.environ, OFFLOAD_PLUGIN_FLUSH_NUMEL="4096", OFFLOAD_PLUGIN_IN_FLIGHT_MIB="2048")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["4096", "2048"], out.stderr[-2000:]

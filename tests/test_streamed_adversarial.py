@@ -1,4 +1,4 @@
-"""Things a user can do between steps of the streamed update (offload_plugin.streamed, the
+"""Things a user can do between steps of the streamed update (offload_plugin.engines.streamed, the
 default on a GPU), here on its CPU twin (``streamed.config.on_cpu``) against torch's
 ``AdamW(fused=True)`` on the CPU, bit for bit: where torch works, ours gives the same bits;
 where torch raises, ours raises a clear error with nothing changed (weights, moments, step
@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import CPUOffloadOptimizer, streamed
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.engines import streamed
 from test_adversarial import _backward, _step  # (inputs of 8 features, targets of 4)
 
 LR = 1e-2

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from offload_plugin import CPUOffloadOptimizer, streamed
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.engines import streamed
 from reference_twin import CUDA, assert_same_params, train, trainable, trained_in_two_groups, twins
 
 pytestmark = CUDA

@@ -1,5 +1,5 @@
-"""AdamW8bit's update on the GPU (offload_plugin.adamw8bit_gpu, the streamed 8-bit
-state's kernel): its bits against the host update (offload_plugin.adamw8bit), and its rate
+"""AdamW8bit's update on the GPU (offload_plugin.formats.adamw8bit.gpu, the streamed 8-bit
+state's kernel): its bits against the host update (offload_plugin.formats.adamw8bit.optimizer), and its rate
 on one streamed unit.
 
 Inside a backward the update's kernels and backward's take the GPU in turns, so the
@@ -22,15 +22,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: offload_plugin, installed or not
 
-from offload_plugin import adamw8bit  # noqa: E402
-from offload_plugin.adamw8bit import BLOCK  # noqa: E402
+from offload_plugin.formats.adamw8bit import update as adamw8bit  # noqa: E402
+from offload_plugin.formats.adamw8bit.native import update_8bit_  # noqa: E402
+from offload_plugin.formats.adamw8bit.optimizer import BLOCK  # noqa: E402
 
 try:  # (torch's CUDA wheels bring Triton; without it only --help runs)
     import triton
     import triton.language as tl
 
-    from offload_plugin import adamw8bit_gpu
-    from offload_plugin.adamw8bit_gpu import _bf16, _grad
+    from offload_plugin.formats.adamw8bit import gpu as adamw8bit_gpu
+    from offload_plugin.formats.adamw8bit.gpu import _bf16, _grad
 except ImportError:
     triton = None
 
@@ -117,7 +118,7 @@ def check(device, sizes: list[int]) -> list[str]:
                 row = adamw8bit.coefficients(dict(GROUP, stochastic_rounding=case["stochastic"]), t, case["scale"])
                 skip = t == 3
                 if not skip:
-                    adamw8bit.update_8bit_(host["weight"], grad, host["state1"], host["absmax1"], host["state2"],
+                    update_8bit_(host["weight"], grad, host["state1"], host["absmax1"], host["state2"],
                                            host["absmax2"], row, start, numel)
                 coeffs = torch.tensor(row, dtype=torch.float32, device=device)
                 flag = torch.full((1,), float(skip), device=device)

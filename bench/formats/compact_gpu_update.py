@@ -1,4 +1,4 @@
-"""CompactAdamW's update on the GPU (offload_plugin.compact_gpu, the streamed compact
+"""CompactAdamW's update on the GPU (offload_plugin.formats.compact.gpu, the streamed compact
 update's kernel): its bits against the CPU update in every setting, and its rate.
 
 The check covers the settings the streamed update does not use too (Adam's L2 decay, a
@@ -14,9 +14,9 @@ import time
 
 import torch
 
-from offload_plugin import compact_adam
-from offload_plugin.compact_adam import BLOCK, CompactAdamState
-from offload_plugin.compact_gpu import GpuMaps, step_, update_
+from offload_plugin.formats.compact import native as compact_adam
+from offload_plugin.formats.compact.gpu import GpuMaps, step_, update_
+from offload_plugin.formats.compact.native import BLOCK, CompactAdamState
 
 
 def _on(state: CompactAdamState, device) -> CompactAdamState:

@@ -19,7 +19,7 @@ The variants (--variants):
   compact_offload  the product, compact: CPUOffloadOptimizer(optimizer_cls=CompactAdamW)
                    on the bf16 parameters (tensors under 4096 elements exact, as below)
   compact_offload_all  the same with min_8bit_size=0: every tensor compact, norms included
-  compact          offload_plugin.compact_adam standalone: bf16 weight + 16-bit remainder (an
+  compact          offload_plugin.formats.compact.native standalone: bf16 weight + 16-bit remainder (an
                    exact fp32 master), 8-bit block-wise moments (tensors under 4096 elements
                    exact, as bitsandbytes keeps those in 32 bits; the same for compact_sr
                    and compact_bf16)
@@ -58,7 +58,7 @@ from xml.sax.saxutils import escape
 
 import torch
 
-from offload_plugin import compact_adam
+from offload_plugin.formats.compact import native as compact_adam
 
 VARIANTS = ["exact", "exact_offload", "compact_offload", "compact_offload_all", "adamw8bit_offload", "adamw8bit_sr_offload", "compact", "compact_all", "compact_sr",
             "compact_bf16", "offload_bf16", "bnb", "bnb_bf16"]

@@ -3,10 +3,10 @@
 On one parameter of --numel elements, at the same thread count, times in alternating rounds
 (so that a host whose speed drifts slows each alike):
 
-* the exact one-pass update (offload_plugin.native_adam: bf16 gradient, fp32 master and
+* the exact one-pass update (offload_plugin.formats.adamw.native: bf16 gradient, fp32 master and
   moments, bf16 weight out): 28 bytes per parameter (2 grad + 3 x 8 read and written
   + 2 weight streamed out);
-* the compact update (offload_plugin.compact_adam: bf16 weight + int16 remainder,
+* the compact update (offload_plugin.formats.compact.native: bf16 weight + int16 remainder,
   8-bit moments): 14 bytes per parameter (2 grad + 2 x 4 read and written for weight and
   remainder + 2 x 2 for the codes; the absmax add 1/16 byte), and without the remainder
   (no master), 10 bytes;
@@ -28,8 +28,8 @@ import time
 
 import torch
 
-from offload_plugin import compact_adam, native_adam
-
+from offload_plugin.formats.adamw import native as native_adam
+from offload_plugin.formats.compact import native as compact_adam
 from host_update_rate import _in_thread, _timed  # the same timing as the exact update's bench
 
 

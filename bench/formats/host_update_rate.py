@@ -8,7 +8,7 @@ read and written, bf16 weight written).
 
     python bench/formats/host_update_rate.py --numel 268435456
 
-"one pass" is offload_plugin.native_adam's kernel (what the optimizer uses when it could
+"one pass" is offload_plugin.formats.adamw.native's kernel (what the optimizer uses when it could
 build and verify it); "torch, 3 passes" is the fallback through torch's fused kernel.
 "accumulate add" times gradient accumulation into the host sum (bf16 += bf16): torch's
 add_ against native_adam.add_, in G elements/s and GB/s at 6 bytes per element.
@@ -20,9 +20,9 @@ import time
 
 import torch
 
-import offload_plugin.host_update as host_update
-from offload_plugin import native_adam
-from offload_plugin.host_buffers import HostSlot
+from offload_plugin.formats.adamw import native as native_adam
+from offload_plugin.host.buffers import HostSlot
+import offload_plugin.host.inner_step as host_update
 
 BYTES_PER_PARAM = 28
 

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: offload_plugin, installed or not
 from offload_plugin import CPUOffloadOptimizer  # noqa: E402
-from offload_plugin import host_engine as engine_module  # noqa: E402
+from offload_plugin.engines import host as engine_module  # noqa: E402
 
 TOTALS: dict = {}  # seconds spent in each timed method since the last clear
 TINY = dict(vocab_size=512, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128,

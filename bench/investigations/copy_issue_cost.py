@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from offload_plugin.host_buffers import _huge_page_block, _pin
-from offload_plugin.transfer import Transfers
+from offload_plugin.host.buffers import _huge_page_block, _pin
+from offload_plugin.host.transfer import Transfers
 
 MIB = 1 << 20
 

@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # host_update_rate.py
 from host_update_rate import _in_thread, _timed  # noqa: E402
-from offload_plugin import native_adam  # noqa: E402
-from offload_plugin.grad_checks import all_finite  # noqa: E402
+from offload_plugin.formats.adamw import native as native_adam  # noqa: E402
+from offload_plugin.host.grad_checks import all_finite  # noqa: E402
 
 
 def _on_worker(fn, threads):

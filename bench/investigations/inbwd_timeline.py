@@ -32,7 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: offload_plugin, installed or not
 
-from offload_plugin import CPUOffloadOptimizer, adamw8bit_streamed, streamed  # noqa: E402
+from offload_plugin import CPUOffloadOptimizer  # noqa: E402
+from offload_plugin.engines import streamed  # noqa: E402
+from offload_plugin.formats.adamw8bit import streamed as adamw8bit_streamed  # noqa: E402
 
 GIB = 1 << 30
 # name -> (optimizer kwargs, or None for no update, or "gpu" for torch's fused AdamW on the GPU;
@@ -176,7 +178,7 @@ def measure(name: str, model, tokens: int, steps: int, cap_gib, timers: Timers, 
     base, _, warps = name.partition("@")  # "adamw8bit@W": the 8-bit kernel launched with W warps a program
     kwargs, settings = RUNS[base][0], dict(RUNS[base][1])
     if warps:
-        from offload_plugin import adamw8bit_gpu
+        from offload_plugin.formats.adamw8bit import gpu as adamw8bit_gpu
 
         shipped_warps, adamw8bit_gpu.WARPS = adamw8bit_gpu.WARPS, int(warps)
     uncapped = settings.pop("uncapped", False)

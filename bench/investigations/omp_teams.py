@@ -5,7 +5,7 @@ Each thread that runs a parallel region gets a libgomp team of its own. Once lib
 manages more threads than there are cores (the training thread's team of all cores plus
 the host worker's), it stops spinning between regions in every team, so each region
 first wakes its threads. On the CPU that made the training thread's small regions 2.5-3x
-slower (parameters on the CPU now update in the training thread: offload_plugin/host_worker.py).
+slower (parameters on the CPU now update in the training thread: offload_plugin/host/worker.py).
 On a GPU machine the host worker keeps its thread, and an 8B step runs about 2,000
 native calls of 4 Mi elements there; this measures what each costs with and without the
 training thread's team. Run on the GPU machine (or anywhere):
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from offload_plugin import native_adam
+from offload_plugin.formats.adamw import native as native_adam
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "formats"))  # host_update_rate.py
 from host_update_rate import _in_thread  # noqa: E402  (a fresh thread with its own thread count, as the host worker)

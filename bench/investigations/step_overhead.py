@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from offload_plugin import CPUOffloadOptimizer, streamed
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.engines import streamed
 
 DIM, HIDDEN, LAYERS = 2048, 8192, 16
 # (in, out) of each adapted linear; LoRA adds A (rank x in) and B (out x rank).

@@ -26,7 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: bus.py
 from bus import copies  # noqa: E402  (pinned copies in staging-sized pieces, as the streamed update's)
-from offload_plugin import CPUOffloadOptimizer, streamed  # noqa: E402
+from offload_plugin import CPUOffloadOptimizer  # noqa: E402
+from offload_plugin.engines import streamed  # noqa: E402
 
 
 def _trace(one) -> dict:

@@ -47,7 +47,8 @@ import warnings
 import torch
 from torch import nn
 
-from offload_plugin import CPUOffloadOptimizer, streamed
+from offload_plugin import CPUOffloadOptimizer
+from offload_plugin.engines import streamed
 
 MODES = {
     "default": {},

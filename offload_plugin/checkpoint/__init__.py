@@ -1,0 +1,1 @@
+"""Checkpoints: torch's state_dict layout, its checks and converters, torchao's layout."""

@@ -1,0 +1,1 @@
+"""The host side: page-locked buffers, the worker thread, transfers, gradients and the update of host state."""
